@@ -1,0 +1,92 @@
+"""`eaglespec` command line. Each feature module registers its own subcommand through `add_cli`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+# subcommand modules; each has add_cli(subparsers) that sets `func` on its parser
+SUBCOMMAND_MODULES = ("eaglespec.generate_cli", "eaglespec.features", "eaglespec.train", "eaglespec.bench",
+                      "eaglespec.serve", "eaglespec.export")
+
+
+def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
+    """Flags every command that builds an Engine shares."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    if head:
+        g.add_argument("--head", default=None, help="EAGLE head folder, or 'random' (default: the model's shipped head)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
+    t = p.add_argument_group("draft tree")
+    t.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
+    t.add_argument("--top-k-draft", type=int, default=None, help="children per expanded node (dynamic)")
+    t.add_argument("--depth", type=int, default=None, help="draft depth")
+    t.add_argument("--total-tokens", type=int, default=None, help="draft nodes verified per round (dynamic)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def tree_config(args):
+    from .tree import TreeConfig
+    kw = {"kind": args.tree}
+    for name in ("top_k", "depth", "total_tokens"):
+        v = getattr(args, "top_k_draft" if name == "top_k" else name, None)
+        if v is not None:
+            kw[name] = v
+    return TreeConfig(**kw)
+
+
+def build_engine(args, head: bool = True):
+    import torch
+    from .engine import Engine
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    return Engine.load(args.model, getattr(args, "head", None) if head else "random", device=args.device,
+                       dtype=dtype, tree=tree_config(args), max_context=args.max_context)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue
+            raise
+        mod.add_cli(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
+        print(f"eaglespec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("eaglespec: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        sys.stderr.close()
+        return 1
+    except Exception as e:  # last resort: one line, and the traceback only on request
+        if os.environ.get("EAGLESPEC_DEBUG"):
+            raise
+        print(f"eaglespec: error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+              "(set EAGLESPEC_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""`eaglespec generate` and `eaglespec chat`."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .cli import add_engine_args, add_sampling_args, build_engine
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt (streamed)")
+    p.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read stdin)")
+    p.add_argument("--method", default="eagle", choices=["eagle", "vanilla"])
+    p.add_argument("--compare", action="store_true",
+                   help="run plain decoding and EAGLE on the prompt and print both speeds, the speed-up and tau")
+    p.add_argument("--raw", action="store_true", help="complete the text as is (no chat template)")
+    p.add_argument("--json", action="store_true", help="print the result and statistics as one JSON object")
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run_generate)
+
+    c = sub.add_parser("chat", help="interactive chat (one line a turn; /exit or EOF ends)")
+    c.add_argument("--method", default="eagle", choices=["eagle", "vanilla"])
+    c.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=run_chat)
+
+
+def _request(engine, args, prompt: str) -> dict:
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+              top_k=args.top_k, seed=args.seed, stop=args.stop)
+    if args.raw:
+        kw["prompt"] = prompt
+    else:
+        kw["messages"] = [{"role": "user", "content": prompt}]
+    return kw
+
+
+def _stats_line(r) -> str:
+    return (f"[{r.method}] {r.new_tokens} tokens in {r.time_s:.2f} s = {r.tokens_per_s:.1f} tok/s, "
+            f"tau {r.tau:.2f}, {r.target_forwards} target forwards, draft {r.time_draft_s:.2f} s / "
+            f"verify {r.time_verify_s:.2f} s, finish: {r.finish_reason}")
+
+
+def _stream(engine, kw, method, show: bool):
+    result = None
+    for chunk in engine.stream(method=method, **kw):
+        if show and chunk.text:
+            print(chunk.text, end="", flush=True)
+        result = chunk.result or result
+    if show:
+        print(flush=True)
+    return result
+
+
+def run_generate(args) -> int:
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("the prompt is empty")
+    engine = build_engine(args)
+    kw = _request(engine, args, prompt)
+    engine.encode(**{k: kw[k] for k in ("prompt", "messages") if k in kw})  # validate before loading time
+    if not args.compare:
+        r = _stream(engine, kw, args.method, show=not args.json)
+        if args.json:
+            print(json.dumps({**r.to_dict(), "head": engine.head_source}))
+        else:
+            print(_stats_line(r), file=sys.stderr)
+        return 0
+    # Warm up both paths once (allocations, kernel selection) so neither pays it in the timing.
+    warm = {**kw, "max_new_tokens": 8}
+    for m in ("vanilla", "eagle"):
+        _stream(engine, warm, m, show=False)
+    results = {}
+    for m in ("vanilla", "eagle"):
+        if not args.json:
+            print(f"--- {m} ---", flush=True)
+        results[m] = _stream(engine, kw, m, show=not args.json)
+        if not args.json:
+            print(_stats_line(results[m]), flush=True)
+    v, e = results["vanilla"], results["eagle"]
+    speedup = e.tokens_per_s / v.tokens_per_s if v.tokens_per_s else 0.0
+    same = v.token_ids == e.token_ids
+    if args.json:
+        print(json.dumps({"vanilla": v.to_dict(), "eagle": e.to_dict(), "speedup": speedup,
+                          "identical": same, "head": engine.head_source}))
+    else:
+        print(f"\nspeed-up {speedup:.2f}x (eagle {e.tokens_per_s:.1f} vs vanilla {v.tokens_per_s:.1f} tok/s), "
+              f"tau {e.tau:.2f}, head: {engine.head_source}, "
+              + ("outputs identical" if same else "outputs differ (sampling draws differ)" if args.temperature > 0
+                 else "OUTPUTS DIFFER"))
+    return 0
+
+
+def run_chat(args) -> int:
+    engine = build_engine(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        try:
+            r = _stream(engine, {"messages": messages, "max_new_tokens": args.max_new_tokens,
+                                 "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                                 "seed": args.seed, "stop": args.stop}, args.method, show=True)
+        except ValueError as e:  # e.g. the conversation outgrew the context: say so, keep the session
+            messages.pop()
+            print(f"eaglespec: error: {e}", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": r.text})
+        print(_stats_line(r), file=sys.stderr)

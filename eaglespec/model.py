@@ -1,0 +1,291 @@
+"""The target model: a compact decoder for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3,
+SmolLM2, Mixtral) with a preallocated KV cache and arbitrary (tree) attention masks.
+
+Module and parameter names follow Hugging Face's, so a checkpoint's state dict loads after dropping
+its `model.` prefix, and the draft head reuses `DecoderLayer` with EAGLE's key names.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = ",".join(cfg.get("architectures") or []) or model_type or "unknown"
+            raise ValueError(f"unsupported architecture '{archs}'; supported model types: "
+                             + ", ".join(SUPPORTED_ARCHITECTURES))
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) else None
+        eos = cfg.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            intermediate_size=cfg["intermediate_size"],
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            num_local_experts=cfg.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+            num_experts_per_tok=cfg.get("num_experts_per_tok", 0) if model_type == "mixtral" else 0,
+            model_type=model_type,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    sc = args.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / sc["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_ctx = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling '{kind}'; supported: default, linear, llama3")
+    return inv_freq.float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer in two preallocated buffers, (layers, batch, kv heads, slots, dim)."""
+
+    def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype, device):
+        super().__init__()
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def move(self, src: torch.Tensor, dst_start: int):
+        """Copy slots `src` to `dst_start...`: keeps an accepted tree path contiguous after verification."""
+        dst = torch.arange(dst_start, dst_start + src.numel(), device=src.device)
+        if torch.equal(src, dst):
+            return
+        self.k[:, :, :, dst] = self.k[:, :, :, src]
+        self.v[:, :, :, dst] = self.v[:, :, :, src]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.hd = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.hd, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv * self.hd, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv * self.hd, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, args.hidden_size, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(self.hd, args.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, cache_start: int):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.hd)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.hd)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.write(self.layer_idx, cache_start, k, v)
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Mixtral's sparse MoE: softmax router, top-k experts, weights renormalised over the chosen k."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.num_experts_per_tok
+        self.gate = nn.Linear(args.hidden_size, args.num_local_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(args.hidden_size, args.intermediate_size)
+                                     for _ in range(args.num_local_experts))
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        return out.view(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0, input_norm: bool = True):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        # EAGLE's draft layer has no norm before attention: its input is already fc(embedding, feature).
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps) if input_norm else nn.Identity()
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if args.num_local_experts:
+            self.block_sparse_moe = MoE(args)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
+
+    def forward(self, x, cos, sin, mask, cache, cache_start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, cache_start)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return x + ffn(self.post_attention_layernorm(x))
+
+
+def causal_mask(t: int, cache_start: int | None, device) -> torch.Tensor | None:
+    """Mask for t new tokens after `cache_start` cached ones; None where SDPA's own rule suffices."""
+    if t == 1 or not cache_start:
+        return None  # one token sees everything; a fresh prefill is plainly causal
+    return torch.ones(t, cache_start + t, dtype=torch.bool, device=device).tril(cache_start)
+
+
+class Rotary(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype):
+        """positions (B, T) -> cos, sin of shape (B, 1, T, head_dim), computed in fp32 like HF."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = Rotary(args)
+        self.cache: KVCache | None = None
+
+    def setup_cache(self, max_len: int, batch: int = 1):
+        w = self.embed_tokens.weight
+        a = self.args
+        self.cache = KVCache(a.num_hidden_layers, batch, a.num_key_value_heads, max_len, a.head_dim,
+                             w.dtype, w.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
+                cache_start: int | None = None, logits: bool = True):
+        """Run `tokens` (B, T) at `positions` (B, T).
+
+        With `cache_start`, keys/values go to cache slots [cache_start, cache_start+T) and the
+        tokens attend to slots [0, cache_start+T) through `mask` (bool, True = may attend, shape
+        (T, cache_start+T) or broadcastable); without it, the tokens attend among themselves
+        (`mask`, or causal if None). Returns the features (post final norm) and, if asked, logits.
+        """
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rotary(positions, x.dtype)
+        cache = self.cache if cache_start is not None else None
+        mask = causal_mask(tokens.shape[1], cache_start, tokens.device) if cache is not None and mask is None else mask
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, cache_start or 0)
+        features = self.norm(x)
+        return features, (self.lm_head(features) if logits else None)

@@ -1,0 +1,51 @@
+"""Sampling parameters and the one logits -> probabilities rule that plain and speculative decoding share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution plain sampling draws from: temperature, then top-k, then top-p (nucleus)."""
+    logits = logits.float() / params.temperature
+    if params.top_k:
+        kth = logits.topk(min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly above each token
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    if params.greedy:
+        return int(logits.argmax())
+    return sample(target_probs(logits, params), generator)

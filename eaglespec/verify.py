@@ -1,0 +1,46 @@
+"""Verification: which drafted nodes the target accepts, and the token it adds after them.
+
+Greedy keeps the longest path that matches the target's argmax. Sampling walks down the tree with
+recursive rejection sampling over each node's (deterministic) children: child x is accepted with
+probability p(x); on rejection p(x) is zeroed and p renormalised; if all are rejected the next token
+is drawn from what is left of p. For any fixed set of candidates this draws exactly from p, so the
+output distribution is the target's.
+"""
+from __future__ import annotations
+
+import torch
+
+from .sampling import SamplingParams, sample, target_probs
+from .tree import Tree
+
+
+def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator | None) -> tuple[list[int], int]:
+    """logits: (N, V), the target's output at every tree node. Returns the accepted node indices
+    (root first) and the next token after the last of them (the bonus token)."""
+    kids = tree.children()
+    tokens = tree.tokens.tolist()
+    path, node = [0], 0
+    if params.greedy:
+        best = logits.argmax(-1).tolist()
+        while True:
+            nxt = next((c for c in kids[node] if tokens[c] == best[node]), None)
+            if nxt is None:
+                return path, best[node]
+            path.append(nxt)
+            node = nxt
+    while True:
+        p = target_probs(logits[node], params)
+        for c in kids[node]:
+            t = tokens[c]
+            if float(torch.rand((), generator=generator, device=p.device)) < float(p[t]):
+                path.append(c)
+                node = c
+                break
+            p[t] = 0.0
+            total = p.sum()
+            if total <= 0:  # everything left was rejected: only reachable by rounding
+                return path, sample(target_probs(logits[node], params), generator)
+            p = p / total
+        else:
+            return path, sample(p, generator)

@@ -1,0 +1,69 @@
+"""Tiny randomly initialised models for tests: Hugging Face folders (config.json + safetensors +
+tokenizer with a ChatML template) for each supported family, built in seconds, no downloads."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Speculative decoding drafts tokens cheaply and verifies them with the target model.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Question: what is 12 times 7? Answer: 84. The sky is blue because of Rayleigh scattering.",
+    "Once upon a time there was a small model that wanted to generate text faster.",
+]
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+
+
+def tiny_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE tokenizer with ChatML special tokens and chat template, trained in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def tiny_hf_config(family: str = "llama", vocab_size: int = 320, **overrides):
+    import transformers as tf
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, initializer_range=0.2)
+    extra = {
+        "llama": (tf.LlamaConfig, {}),
+        "mistral": (tf.MistralConfig, {"sliding_window": None}),
+        "qwen2": (tf.Qwen2Config, {"use_sliding_window": False}),
+        "qwen3": (tf.Qwen3Config, {"head_dim": 16, "use_sliding_window": False}),
+        "mixtral": (tf.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    }
+    if family not in extra:
+        raise ValueError(f"unknown family {family}; known: {', '.join(FAMILIES)}")
+    cls, kw = extra[family]
+    return cls(**{**common, **kw, **overrides})
+
+
+def make_tiny_checkpoint(folder: str | Path, family: str = "llama", vocab_size: int = 320, seed: int = 0,
+                         **overrides) -> Path:
+    """Save a random `family` model (transformers' own class) and a tiny tokenizer into `folder`."""
+    from transformers import AutoModelForCausalLM
+    folder = Path(folder)
+    cfg = tiny_hf_config(family, vocab_size, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tiny_tokenizer(vocab_size).save_pretrained(str(folder))
+    return folder

@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
+    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="torch.compile the decoding steps (slow start, faster decoding; CPU: ~1 min)")
     t = p.add_argument_group("draft tree")
     t.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
     t.add_argument("--top-k-draft", type=int, default=None, help="children per expanded node (dynamic)")
@@ -54,7 +56,8 @@ def build_engine(args, head: bool = True):
     from .engine import Engine
     dtype = getattr(torch, args.dtype) if args.dtype else None
     return Engine.load(args.model, getattr(args, "head", None) if head else "random", device=args.device,
-                       dtype=dtype, tree=tree_config(args), max_context=args.max_context)
+                       dtype=dtype, tree=tree_config(args), max_context=args.max_context,
+                       compile=args.compile)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,7 @@ def _sync(device: torch.device):
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, head: EagleHead | None = None,
-                 tree: TreeConfig | None = None, max_context: int | None = None):
+                 tree: TreeConfig | None = None, max_context: int | None = None, compile: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.head = head
@@ -80,10 +80,18 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
+        self.compiled = compile
+        if compile:
+            from .compiled import CompiledForward
+            # one cache for the engine's life: a compiled graph must not see its buffers replaced
+            self._ensure_cache(self.max_context + self.tree.max_nodes + self.tree.top_k * self.tree.depth + 1)
+            self._target_step = CompiledForward(model, model)
+            self._head_step = CompiledForward(head, head) if head is not None else None
+            self._draft_logprobs = torch.compile(self._draft_logprobs, mode="max-autotune", fullgraph=True)
 
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,
-             tree: TreeConfig | None = None, max_context: int | None = None) -> "Engine":
+             tree: TreeConfig | None = None, max_context: int | None = None, compile: bool = False) -> "Engine":
         """head: a head folder, "random", or None for the model's shipped head (random if none)."""
         target, folder = load_target(model, device=device, dtype=dtype)
         tokenizer = load_tokenizer(folder)
@@ -96,7 +104,7 @@ class Engine:
             draft = load_head(head, target.args)
         w = target.embed_tokens.weight
         draft = draft.to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
-        engine = cls(target, tokenizer, draft, tree, max_context)
+        engine = cls(target, tokenizer, draft, tree, max_context, compile)
         engine.head_source = head
         return engine
 
@@ -142,6 +150,19 @@ class Engine:
         if self.head is not None and (self.head.cache is None or self.head.cache.max_len < n):
             self.head.setup_cache(n)
 
+    def _target(self, tokens, positions, mask=None, cache_start=0):
+        if self.compiled:
+            return self._target_step(tokens, positions, cache_start=cache_start, mask=mask)
+        return self.model(tokens, positions, mask=mask, cache_start=cache_start)
+
+    def _head(self, token_embeds, features, positions, mask=None, cache_start=0):
+        if self.compiled:
+            return self._head_step(token_embeds, features, positions, cache_start=cache_start, mask=mask)
+        return self.head(token_embeds, features, positions, mask=mask, cache_start=cache_start)
+
+    def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.model.lm_head(features).float(), dim=-1)
+
     def _prefill(self, ids: list[int], timers: _Timers):
         t0 = time.perf_counter()
         x = torch.tensor([ids], device=self.device)
@@ -157,8 +178,8 @@ class Engine:
         cur = len(ids)
         while True:
             t0 = time.perf_counter()
-            _, logits = self.model(torch.tensor([[tok]], device=self.device),
-                                   torch.tensor([[cur]], device=self.device), cache_start=cur)
+            _, logits = self._target(torch.tensor([[tok]], device=self.device),
+                                     torch.tensor([[cur]], device=self.device), cache_start=cur)
             tok = next_token(logits[0, -1], params, gen)
             timers.verify += time.perf_counter() - t0
             timers.forwards += 1
@@ -170,7 +191,7 @@ class Engine:
         if self.head is None:
             raise ValueError("method 'eagle' needs a draft head")
         model, dev = self.model, self.device
-        drafter = Drafter(self.head, model.embed_tokens, model.lm_head, self.tree)
+        drafter = Drafter(self._head, model.embed_tokens, self._draft_logprobs, self.tree)
         feats, logits = self._prefill(ids, timers)
         root = next_token(logits, params, gen)
         yield [root]
@@ -188,7 +209,7 @@ class Engine:
             t1 = time.perf_counter()
             n = len(tree)
             mask = torch.cat([torch.ones(n, cur, dtype=torch.bool), tree.ancestor_mask()], dim=1).to(dev)
-            f, lg = model(tree.tokens.to(dev)[None], (cur + tree.depths).to(dev)[None], mask=mask, cache_start=cur)
+            f, lg = self._target(tree.tokens.to(dev)[None], (cur + tree.depths).to(dev)[None], mask, cur)
             path, bonus = verify(tree, lg[0], params, gen)
             path_t = torch.tensor(path, device=dev)
             model.cache.move(cur + path_t, cur)
@@ -200,7 +221,7 @@ class Engine:
             timers.accept.append(len(new))
             yield new
             t0 = time.perf_counter()
-            h = self.head(model.embed_tokens(torch.tensor([new], device=dev)), f[:, path_t],
+            h = self._head(model.embed_tokens(torch.tensor([new], device=dev)), f[:, path_t],
                           (cur + torch.arange(len(path), device=dev))[None], cache_start=cur)
             root, root_feature, cur = bonus, h[0, -1], cur + len(path)
             timers.draft += time.perf_counter() - t0
@@ -242,6 +263,8 @@ class Engine:
                         break
                 if len(out) + len(new) >= budget:
                     new, done = new[: budget - len(out)], True
+                if done and out and timers.accept:  # a cut decoding round counts what it kept
+                    timers.accept[-1] = len(new)
                 out += new
                 if self.tokenizer is not None:
                     text = self.tokenizer.decode(out, skip_special_tokens=True)

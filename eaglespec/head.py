@@ -49,7 +49,7 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         cache = self.cache if cache_start is not None else None
         mask = causal_mask(x.shape[1], cache_start, x.device) if cache is not None and mask is None else mask
-        return self.layers[0](x, cos, sin, mask, cache, cache_start or 0)
+        return self.layers[0](x, cos, sin, mask, cache, 0 if cache_start is None else cache_start)
 
     # ---- checkpoint format ----------------------------------------------------------------------
 

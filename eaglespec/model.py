@@ -132,7 +132,15 @@ class KVCache(nn.Module):
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+    def write(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int = 0):
+        """Store k/v from slot `start` on; return the first `kv_len` (default: up to the last written) slots.
+
+        A tensor `start` holds the slot indices: an in-place index_copy_ keeps compiled graphs from
+        copying the whole cache each call."""
+        if isinstance(start, torch.Tensor):
+            self.k[layer].index_copy_(2, start, k)
+            self.v[layer].index_copy_(2, start, v)
+            return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
         end = start + k.shape[2]
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
@@ -171,14 +179,12 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
-            k, v = cache.write(self.layer_idx, cache_start, k, v)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            k, v = cache.write(self.layer_idx, cache_start, k, v, 0 if mask is None else mask.shape[-1])
+        gqa = self.n_kv != self.n_heads
         if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
 
 
@@ -286,6 +292,6 @@ class Transformer(nn.Module):
         cache = self.cache if cache_start is not None else None
         mask = causal_mask(tokens.shape[1], cache_start, tokens.device) if cache is not None and mask is None else mask
         for layer in self.layers:
-            x = layer(x, cos, sin, mask, cache, cache_start or 0)
+            x = layer(x, cos, sin, mask, cache, 0 if cache_start is None else cache_start)
         features = self.norm(x)
         return features, (self.lm_head(features) if logits else None)

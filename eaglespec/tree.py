@@ -77,8 +77,9 @@ class Drafter:
     """Runs the head over a tree. Tree nodes occupy head-cache slots after `head_len` and are
     forgotten when the next round writes its accepted tokens there."""
 
-    def __init__(self, head: EagleHead, embed: torch.nn.Embedding, lm_head: torch.nn.Linear, config: TreeConfig):
-        self.head, self.embed, self.lm_head, self.config = head, embed, lm_head, config
+    def __init__(self, head: EagleHead, embed: torch.nn.Embedding, logprobs, config: TreeConfig):
+        """head: the head or its compiled call; logprobs: predicted features -> draft log-probabilities."""
+        self.head, self.embed, self.logprobs, self.config = head, embed, logprobs, config
 
     def _expand(self, head_len: int, fed_parents: list[int], tokens: list[int], features: torch.Tensor,
                 depths: list[int]) -> torch.Tensor:
@@ -108,14 +109,11 @@ class Drafter:
             return self._dynamic(root_token, root_feature, head_len)
         return self._static(root_token, root_feature, head_len)
 
-    def _logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.lm_head(features).float(), dim=-1)
-
     def _dynamic(self, root_token, root_feature, head_len) -> Tree:
         """EAGLE-2: expand the top_k frontier by cumulative log-prob; keep the best total_tokens nodes."""
         cfg = self.config
         k = cfg.top_k
-        lp = self._logprobs(root_feature[None])[0]
+        lp = self.logprobs(root_feature[None])[0]
         top = lp.topk(k)
         # every generated node: token, parent (node index, 0 = root), score, depth
         tokens, parents, scores, depths = [root_token], [-1], [0.0], [0]
@@ -129,7 +127,7 @@ class Drafter:
                 fed_index[n] = self._n_fed + j
             out = self._expand(head_len, fed_parents, [tokens[n] for n in frontier], frontier_feature,
                                [d - 1] * len(frontier))
-            child = self._logprobs(out).topk(k)  # (|frontier|, k)
+            child = self.logprobs(out).topk(k)  # (|frontier|, k)
             cum = child.values + torch.tensor([scores[n] for n in frontier], device=out.device)[:, None]
             best = cum.flatten().topk(k).indices.tolist()
             first_new = len(tokens)
@@ -168,7 +166,7 @@ class Drafter:
                 for j, p in enumerate(need):
                     feature[p] = out[j]
             feats = torch.stack([feature[p] for p in need])
-            ranks = self._logprobs(feats).topk(max(p[-1] for p in level) + 1).indices
+            ranks = self.logprobs(feats).topk(max(p[-1] for p in level) + 1).indices
             row = {p: j for j, p in enumerate(need)}
             for p in level:
                 index[p] = len(tokens)

@@ -1,0 +1,610 @@
+"""`eaglespec serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine.
+
+Endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (both with `stream`),
+GET /health, GET /metrics (Prometheus text).
+
+Concurrency model. The engine decodes one sequence at a time and keeps its KV cache inside the
+model, so it is not thread-safe. The server holds a pool of --max-concurrency engine *replicas*
+that share every weight tensor but own their KV caches and tokenizer (`replicate`), and one worker
+thread per replica. A request waits in a FIFO for a free replica (at most --max-queue waiting,
+429 beyond that), then its whole generation runs on that replica in a worker thread; the thread
+hands chunks to the event loop through an asyncio queue. The replica goes back to the pool only
+when its thread is done with it, so a slot is never shared, whatever the client does. A client
+that goes away is noticed (stream: Starlette cancels the response; otherwise: polling
+`request.is_disconnected()`), its generation stops after the current decoding round, and the
+generator is closed in its own thread. Default 1 replica: a second replica adds only KV-cache
+memory, but replicas share the compute (CPU cores / one GPU) and the GIL, and nothing is batched,
+so N > 1 buys fairness (a short request need not wait for a long one), not throughput: on an H200
+with a small model, 2 replicas gave the same aggregate tokens/s as 1.
+"""
+
+import asyncio
+import copy
+import hmac
+import ipaddress
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .cli import add_engine_args, build_engine
+
+if TYPE_CHECKING:
+    from .engine import Engine, StreamChunk
+
+# torch, pydantic and FastAPI are imported where used: `eaglespec --help` loads every subcommand module.
+
+log = logging.getLogger("eaglespec.serve")
+ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
+POLL_S = 0.25                        # how often a waiting request checks that its client is still there
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat/completions, streaming, metrics)")
+    add_engine_args(p)
+    p.add_argument("--method", default="eagle", choices=["eagle", "vanilla"],
+                   help="decoding method (a request may override it with the extra field 'method')")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("EAGLESPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $EAGLESPEC_API_KEY; /health stays open)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    p.add_argument("--max-concurrency", type=int, default=1,
+                   help="generations at once = engine replicas sharing the weights (default 1)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a replica; more get 429")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=run)
+
+
+def served_model_name(model: str | None) -> str:
+    from .loading import DEFAULT_MODEL
+    if model in (None, "", DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    path = Path(model).expanduser()
+    if path.exists():
+        return path.stem if path.suffix == ".gguf" else path.resolve().name
+    return model  # a hub id
+
+
+def run(args) -> int:
+    import uvicorn
+    if args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(args.log_level.upper())
+    log.propagate = False
+    engine = build_engine(args)
+    name = args.served_model_name or served_model_name(args.model)
+    app = create_app(replicate(engine, args.max_concurrency), name, method=args.method,
+                     api_key=args.api_key, max_queue=args.max_queue, warmup=True)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(f"eaglespec serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+    print(f"eaglespec serve: '{name}' ({args.method}, head {engine.head_source}, {engine.device}) on "
+          f"http://{args.host}:{args.port}/v1 - {args.max_concurrency} replica(s), queue {args.max_queue}"
+          + (", API key required" if args.api_key else ""), file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+# ---- engine replicas -----------------------------------------------------------------------------
+
+def _share_weights(module):
+    """A copy of `module` whose parameters and buffers are the same tensors, with no KV cache."""
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    clone = copy.deepcopy(module, memo)
+    clone.cache = None
+    return clone
+
+
+def replicate(engine: "Engine", n: int) -> list["Engine"]:
+    """`engine` plus n-1 engines over the same weights, each with its own KV caches and tokenizer
+    (a Rust tokenizer must not be used from two threads at once)."""
+    from .engine import Engine
+    engines = [engine]
+    for _ in range(n - 1):
+        head = _share_weights(engine.head) if engine.head is not None else None
+        extra = {"compile": True} if getattr(engine, "compiled", False) else {}
+        e = Engine(_share_weights(engine.model), copy.deepcopy(engine.tokenizer), head, engine.tree,
+                   engine.max_context, **extra)
+        e.head_source = getattr(engine, "head_source", None)
+        engines.append(e)
+    return engines
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+class Metrics:
+    """Counters updated from the event loop and the worker threads; rendered as Prometheus text."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.generated_tokens = self.target_forwards = self.cancelled = 0
+        self.finished: dict[tuple[str, str], int] = {}
+        self.tau_sum: dict[str, float] = {}
+        self.tau_count: dict[str, int] = {}
+        self.generation_s = 0.0
+        self.last_tokens_per_s = 0.0
+        self.mean_generation_s = 1.0  # running mean, for Retry-After
+
+    def count_request(self, endpoint: str, status: int):
+        with self.lock:
+            key = (endpoint, status)
+            self.requests[key] = self.requests.get(key, 0) + 1
+
+    def add(self, prompt_tokens: int = 0, generated_tokens: int = 0):
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.generated_tokens += generated_tokens
+
+    def finish(self, r):
+        with self.lock:
+            key = (r.method, r.finish_reason)
+            self.finished[key] = self.finished.get(key, 0) + 1
+            self.tau_sum[r.method] = self.tau_sum.get(r.method, 0.0) + r.tau
+            self.tau_count[r.method] = self.tau_count.get(r.method, 0) + 1
+            self.target_forwards += r.target_forwards
+            self.generation_s += r.time_s
+            self.last_tokens_per_s = r.tokens_per_s
+            self.mean_generation_s = 0.8 * self.mean_generation_s + 0.2 * r.time_s
+
+    def cancel(self):
+        with self.lock:
+            self.cancelled += 1
+
+    def render(self, queue_length: int, active: int, replicas: int) -> str:
+        out: list[str] = []
+
+        def metric(name, kind, help_, samples):
+            out.append(f"# HELP eaglespec_{name} {help_}")
+            out.append(f"# TYPE eaglespec_{name} {kind}")
+            for labels, value in samples:
+                lab = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                out.append(f"eaglespec_{name}{'{' + lab + '}' if lab else ''} {value}")
+
+        with self.lock:
+            metric("requests_total", "counter", "HTTP requests by endpoint and status code.",
+                   [({"endpoint": e, "status": s}, n) for (e, s), n in sorted(self.requests.items())])
+            metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [({}, self.prompt_tokens)])
+            metric("generation_tokens_total", "counter", "Tokens generated (cancelled generations included).",
+                   [({}, self.generated_tokens)])
+            metric("target_forwards_total", "counter", "Decoding forwards of the target (prefill excluded).",
+                   [({}, self.target_forwards)])
+            metric("generations_total", "counter", "Finished generations by method and finish reason.",
+                   [({"method": m, "finish_reason": f}, n) for (m, f), n in sorted(self.finished.items())])
+            metric("generations_cancelled_total", "counter", "Generations stopped because the client went away.",
+                   [({}, self.cancelled)])
+            out.append("# HELP eaglespec_tau Tokens per target forward of each finished generation.")
+            out.append("# TYPE eaglespec_tau summary")
+            for m in sorted(self.tau_sum):
+                out.append(f'eaglespec_tau_sum{{method="{m}"}} {self.tau_sum[m]:.6g}')
+                out.append(f'eaglespec_tau_count{{method="{m}"}} {self.tau_count[m]}')
+            metric("generation_seconds_total", "counter", "Time spent generating, prefill included.",
+                   [({}, f"{self.generation_s:.6g}")])
+            metric("tokens_per_second", "gauge", "Decoding speed of the last finished generation.",
+                   [({}, f"{self.last_tokens_per_s:.6g}")])
+        metric("queue_length", "gauge", "Requests waiting for a replica.", [({}, queue_length)])
+        metric("active_generations", "gauge", "Generations running now.", [({}, active)])
+        metric("replicas", "gauge", "Engine replicas (--max-concurrency).", [({}, replicas)])
+        return "\n".join(out) + "\n"
+
+
+# ---- the pool and one generation -------------------------------------------------------------------
+
+_END = object()  # a worker's last event
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+class Generation:
+    """One request's run on one replica: the worker thread pushes events (StreamChunk, an exception,
+    then _END) onto an asyncio queue; the handler sets `cancel` to stop it after the current round.
+    Unless `stream`, only the last chunk is handed over, so the handler's wait for it is one await
+    that can poll for a vanished client."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, metrics: Metrics, stream: bool):
+        self.loop, self.metrics, self.stream = loop, metrics, stream
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancel = threading.Event()
+
+    def run(self, engine: "Engine", kw: dict):  # in the worker thread
+        try:
+            kw = dict(kw)
+            ids = engine.encode(**{k: kw.pop(k) for k in ("prompt", "messages", "input_ids") if k in kw})
+            self.metrics.add(prompt_tokens=len(ids))
+            stream = engine.stream(input_ids=ids, **kw)
+            try:
+                for chunk in stream:
+                    self.metrics.add(generated_tokens=len(chunk.token_ids))
+                    if chunk.result is not None:
+                        self.metrics.finish(chunk.result)
+                    if self.stream or chunk.result is not None:
+                        self._emit(chunk)
+                    if self.cancel.is_set() and chunk.result is None:
+                        self.metrics.cancel()
+                        break
+            finally:
+                stream.close()  # in this thread, which owns the engine
+        except Exception as e:  # handed to the request's handler, which answers in OpenAI's shape
+            self._emit(e)
+        finally:
+            self._emit(_END)
+
+    def _emit(self, item):
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the server is gone, stop generating
+            self.cancel.set()
+
+
+class EnginePool:
+    def __init__(self, engines: list["Engine"], max_queue: int, metrics: Metrics):
+        self.engines, self.max_queue, self.metrics = engines, max_queue, metrics
+        self.executor = ThreadPoolExecutor(len(engines), thread_name_prefix="eaglespec-engine")
+        self.free: asyncio.Queue | None = None
+        self.waiting = self.active = 0
+        self.running: set[Generation] = set()
+
+    def start(self):  # on the server's event loop
+        self.free = asyncio.Queue()
+        for e in self.engines:
+            self.free.put_nowait(e)
+
+    async def warm_up(self):
+        """One short generation per method on every replica, all at once, so each worker thread exists and
+        has done its first-use set-up (on CUDA that cost seconds per thread) before a client waits on it."""
+        loop = asyncio.get_running_loop()
+
+        def job(engine):
+            ids = engine.encode("Hello") if engine.tokenizer is not None else [0]
+            for m in ("vanilla", "eagle") if engine.head is not None else ("vanilla",):
+                engine.generate(input_ids=ids, method=m, max_new_tokens=4, ignore_eos=True)
+        t0 = time.perf_counter()
+        await asyncio.gather(*[loop.run_in_executor(self.executor, job, e) for e in self.engines])
+        log.info("warmed up %d replica(s) in %.1f s", len(self.engines), time.perf_counter() - t0)
+
+    def stop(self):
+        for g in list(self.running):
+            g.cancel.set()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def acquire(self) -> "Engine":
+        if self.free.empty() and self.waiting >= self.max_queue:
+            from .api_schema import ApiError
+            retry = max(1, min(60, math.ceil(self.metrics.mean_generation_s * (self.waiting + 1) / len(self.engines))))
+            raise ApiError(429, f"server busy: {self.active} generation(s) running, {self.waiting} waiting "
+                                f"(--max-queue {self.max_queue}); retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(retry)})
+        self.waiting += 1
+        try:
+            engine = await self.free.get()
+        finally:
+            self.waiting -= 1
+        self.active += 1
+        return engine
+
+    def release(self, engine: "Engine"):
+        self.active -= 1
+        self.free.put_nowait(engine)
+
+    def submit(self, engine: "Engine", gen: Generation, kw: dict):
+        """Run `gen` on `engine` in a worker thread; the engine returns to the pool when the thread is done."""
+        self.running.add(gen)
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, gen.run, engine, kw)
+
+        def done(_):
+            self.running.discard(gen)
+            self.release(engine)
+        fut.add_done_callback(done)
+
+
+async def _unless_gone(request, awaitable, on_abandon=None):
+    """Await `awaitable`, but raise ClientGone if the client disconnects first. `on_abandon` gets the
+    result if it arrives just as we give up (so an acquired replica is not lost)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    except BaseException:
+        if not task.cancel() and not task.cancelled() and task.exception() is None and on_abandon:
+            on_abandon(task.result())
+        raise
+
+
+def _as_api_error(e: Exception):
+    from .api_schema import ApiError
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, ValueError):  # the engine's one-line complaint about the input
+        return ApiError(400, str(e))
+    log.error("generation failed", exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+# ---- the app -------------------------------------------------------------------------------------
+
+class Gate:
+    """ASGI middleware: the API key check and the request counter (a plain ASGI wrapper rather than
+    BaseHTTPMiddleware, which would get in the way of streaming and disconnect detection)."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    def _authorized(self, scope) -> bool:
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                scheme, _, token = v.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.responses import JSONResponse
+
+        from .api_schema import error_body
+        path = scope["path"].rstrip("/") or "/"
+        status, started = 500, False
+
+        async def send_counted(message):
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        try:
+            if self.api_key and path != "/health" and not self._authorized(scope):
+                body = error_body("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key")
+                await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_counted)
+                return
+            await self.app(scope, receive, send_counted)
+        except asyncio.CancelledError:
+            # Only uvicorn cancels a whole request task: at shutdown, once the grace period is over.
+            # The generation stops with it (the stream's `finally`); end the response cleanly.
+            log.warning("request %s cut short: the server is shutting down", path)
+            try:
+                if started:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                else:
+                    body = error_body("the server is shutting down", "server_error")
+                    await JSONResponse(body, 503)(scope, receive, send_counted)
+            except Exception:  # the connection may be gone already
+                pass
+        finally:
+            endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
+            self.metrics.count_request(endpoint, status)
+
+
+def create_app(engines: "Engine | list[Engine]", model_name: str, method: str = "eagle", api_key: str | None = None,
+               max_queue: int = 64, warmup: bool = False):
+    """The FastAPI app over `engines` (one generation at a time on each; see `replicate`). With `warmup`,
+    startup runs a short generation on every replica first."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+
+    from .api_schema import (ApiError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_messages,
+                             chat_response, completion_chunk, completion_prompt, completion_response, error_body,
+                             models_response, new_id, sampling_kwargs, stats, usage)
+    from .engine import StreamChunk
+
+    engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    if method not in ("eagle", "vanilla"):
+        raise ValueError(f"method must be eagle or vanilla, got '{method}'")
+    metrics = Metrics()
+    pool = EnginePool(engines, max_queue, metrics)
+    created = int(time.time())
+    max_context = engines[0].max_context
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        pool.start()
+        if warmup:
+            await pool.warm_up()
+        yield
+        pool.stop()
+
+    app = FastAPI(title="eaglespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pool, app.state.metrics, app.state.model_name = pool, metrics, model_name
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request, e: ApiError):
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_request, _e):
+        return Response(status_code=499)  # nobody reads it; the status shows in /metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, e: RequestValidationError):
+        return JSONResponse(error_body(*_validation_message(e.errors())), 400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_request, e: HTTPException):
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(e.detail), kind), e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _crash(_request, e: Exception):
+        log.error("request failed", exc_info=e)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "active": pool.active, "queued": pool.waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(metrics.render(pool.waiting, pool.active, len(engines)),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return models_response(model_name, created)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(model_id)
+        return models_response(model_name, created)["data"][0]
+
+    def _check_model(name: str):
+        if name != model_name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
+                           param="model", code="model_not_found")
+
+    async def start(request: Request, kw: dict, stream: bool) -> Generation:
+        engine = await _unless_gone(request, pool.acquire(), on_abandon=pool.release)
+        gen = Generation(asyncio.get_running_loop(), metrics, stream)
+        pool.submit(engine, gen, kw)
+        return gen
+
+    async def first_event(request: Request, gen: Generation):
+        try:
+            item = await _unless_gone(request, gen.events.get())
+        except BaseException:
+            gen.cancel.set()
+            raise
+        if isinstance(item, Exception):
+            raise _as_api_error(item)
+        if item is _END:
+            raise ApiError(503, "generation cancelled: the server is shutting down", type="server_error")
+        return item
+
+    async def finish(request: Request, gen: Generation):
+        """The result of a non-streamed generation (its only event)."""
+        try:
+            return (await first_event(request, gen)).result
+        finally:
+            gen.cancel.set()  # a no-op once finished; stops the worker if we leave early
+
+    def streaming(gen: Generation, first: StreamChunk, render) -> StreamingResponse:
+        async def events():
+            try:
+                item = first
+                while True:
+                    if isinstance(item, Exception):
+                        yield _sse(_as_api_error(item).body())
+                        break
+                    if item is _END:
+                        break
+                    for obj in render(item):
+                        yield _sse(obj)
+                    if item.result is not None:
+                        break
+                    item = await gen.events.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                gen.cancel.set()  # also reached when Starlette cancels us because the client left
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def engine_kwargs(req, max_tokens, default_max_tokens) -> dict:
+        _check_model(req.model)
+        kw = sampling_kwargs(req, max_tokens, default_max_tokens)
+        kw["method"] = req.method or method
+        return kw
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        kw = engine_kwargs(req, max_tokens, max_context)
+        kw["messages"] = chat_messages(req)
+        gen = await start(request, kw, bool(req.stream))
+        if not req.stream:
+            return chat_response(new_id("chatcmpl"), model_name, await finish(request, gen))
+        first = await first_event(request, gen)
+        rid, t0 = new_id("chatcmpl"), int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        role_sent = False
+
+        def render(chunk: StreamChunk):
+            nonlocal role_sent
+            if not role_sent:
+                role_sent = True
+                yield chat_chunk(rid, model_name, t0, {"role": "assistant", "content": ""})
+            if chunk.text:
+                yield chat_chunk(rid, model_name, t0, {"content": chunk.text})
+            if chunk.result is not None:
+                yield {**chat_chunk(rid, model_name, t0, {}, chunk.result.finish_reason), "eaglespec": stats(chunk.result)}
+                if include_usage:
+                    yield {**chat_chunk(rid, model_name, t0, {}), "choices": [],
+                           "usage": usage(chunk.result.prompt_tokens, chunk.result.new_tokens)}
+        return streaming(gen, first, render)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        kw = engine_kwargs(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        kw.update(completion_prompt(req))
+        gen = await start(request, kw, bool(req.stream))
+        if not req.stream:
+            return completion_response(new_id("cmpl"), model_name, await finish(request, gen))
+        first = await first_event(request, gen)
+        rid, t0 = new_id("cmpl"), int(time.time())
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def render(chunk: StreamChunk):
+            if chunk.text:
+                yield completion_chunk(rid, model_name, t0, chunk.text)
+            if chunk.result is not None:
+                yield {**completion_chunk(rid, model_name, t0, "", chunk.result.finish_reason),
+                       "eaglespec": stats(chunk.result)}
+                if include_usage:
+                    yield {**completion_chunk(rid, model_name, t0, ""), "choices": [],
+                           "usage": usage(chunk.result.prompt_tokens, chunk.result.new_tokens)}
+        return streaming(gen, first, render)
+
+    gate = Gate(app, api_key, metrics)
+    gate.state = app.state
+    return gate
+
+
+def _validation_message(errors) -> tuple[str, str, "str | None"]:
+    """FastAPI's 422 details -> (message, type, param) for one OpenAI-shaped 400."""
+    if not errors:
+        return "invalid request", "invalid_request_error", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", "invalid_request_error", None
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if not loc:
+        return f"the request body must be a JSON object: {first.get('msg')}", "invalid_request_error", None
+    field = loc[0]
+    if first.get("type") == "missing":
+        return f"missing required field '{'.'.join(loc)}'", "invalid_request_error", field
+    same_field = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == [field]]
+    if len(same_field) > 1:  # a union: every alternative complained
+        return f"'{field}' has the wrong type", "invalid_request_error", field
+    return f"'{'.'.join(loc)}': {first.get('msg')}", "invalid_request_error", field

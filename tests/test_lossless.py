@@ -1,0 +1,224 @@
+"""Greedy EAGLE decoding emits exactly plain greedy decoding's tokens, for every tree kind, with heads
+that are never right (random) and heads that usually are (multi-token acceptance, cache compaction).
+A difference is tolerated only where the target itself is tied (top-2 logits within 1e-4)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import scipy.stats
+import torch
+
+from eaglespec.engine import Engine
+from eaglespec.head import random_head
+from eaglespec.loading import load_target
+from eaglespec.model import KVCache
+from eaglespec.sampling import SamplingParams, target_probs
+from eaglespec.testing import FAMILIES
+from eaglespec.tree import Tree, TreeConfig
+from eaglespec.verify import verify
+
+KINDS = ("dynamic", "static", "chain")
+NEW = 32
+
+
+def random_prompts(n: int, seed: int, vocab: int = 320, max_len: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def run(engine: Engine, prompt: list[int], method: str = "eagle"):
+    return engine.generate(input_ids=prompt, method=method, max_new_tokens=NEW, ignore_eos=True)
+
+
+def check_lossless(engine: Engine, prompts, vanilla, same_or_tie) -> list:
+    results = []
+    for prompt, want in zip(prompts, vanilla):
+        r = run(engine, prompt)
+        assert r.new_tokens == NEW and r.finish_reason == "length"
+        same_or_tie(engine.model, prompt, r.token_ids, want)
+        results.append(r)
+    return results
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    model, _ = load_target(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32)
+    prompts = random_prompts(30, seed=0)
+    plain = Engine(model)
+    return model, prompts, [run(plain, p, "vanilla").token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_head_is_lossless(kind, llama, same_or_tie):
+    model, prompts, vanilla = llama
+    for seed in (0, 1, 2):  # a third of the prompts each
+        engine = Engine(model, head=random_head(model.args, seed=seed), tree=TreeConfig(kind=kind))
+        check_lossless(engine, prompts[seed::3], vanilla[seed::3], same_or_tie)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_lossless_through_the_tree(family, tiny_checkpoint, same_or_tie):
+    """qkv bias, q/k norm and MoE routing under tree masks, with a random head."""
+    model, _ = load_target(tiny_checkpoint(family), device="cpu", dtype=torch.float32)
+    prompts = random_prompts(5, seed=1)
+    vanilla = [run(Engine(model), p, "vanilla").token_ids for p in prompts]
+    check_lossless(Engine(model, head=random_head(model.args, seed=3)), prompts, vanilla, same_or_tie)
+
+
+@pytest.fixture(scope="module")
+def good(make_oracle_pair):
+    model, head = make_oracle_pair(noise=0.3, logit_scale=3.0)
+    prompts = random_prompts(30, seed=2)
+    return model, head, prompts, [run(Engine(model), p, "vanilla").token_ids for p in prompts]
+
+
+@pytest.fixture
+def moves(monkeypatch):
+    """Records every KVCache.move that really moves slots (the accepted path was not contiguous)."""
+    real, seen = KVCache.move, []
+
+    def move(self, src, dst_start):
+        if not torch.equal(src, torch.arange(dst_start, dst_start + src.numel())):
+            seen.append(src.tolist())
+        return real(self, src, dst_start)
+
+    monkeypatch.setattr(KVCache, "move", move)
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_good_head_accepts_several_tokens_and_is_lossless(kind, good, moves, same_or_tie):
+    model, head, prompts, vanilla = good
+    results = check_lossless(Engine(model, head=head, tree=TreeConfig(kind=kind)), prompts, vanilla, same_or_tie)
+    tau = sum(r.tau for r in results) / len(results)
+    assert tau > 1.3, f"mean tau {tau:.2f}: the head does not draft well enough to test acceptance"
+    assert max(max(r.accept_lengths) for r in results) >= 4
+    for r in results:  # the prefill's token, then each round's tokens (the last round may be cut short)
+        assert sum(r.accept_lengths[:-1]) + 1 < r.new_tokens <= sum(r.accept_lengths) + 1
+    if kind != "chain":  # a chain's accepted path is always contiguous; a tree's usually is not
+        assert len(moves) > 10
+
+
+def test_broken_cache_compaction_is_caught(good, monkeypatch, same_or_tie):
+    """If the accepted path's K/V were left where the tree put them, outputs would differ: the
+    lossless check above does exercise KVCache.move."""
+    model, head, prompts, vanilla = good
+    monkeypatch.setattr(KVCache, "move", lambda self, src, dst_start: None)
+    engine = Engine(model, head=head, tree=TreeConfig(kind="dynamic"))
+    caught = 0
+    for prompt, want in zip(prompts[:10], vanilla):
+        try:
+            same_or_tie(model, prompt, run(engine, prompt).token_ids, want)
+        except AssertionError:
+            caught += 1
+    assert caught >= 3
+
+
+# ---- sampling ------------------------------------------------------------------------------------
+
+def emitted_distribution(tree: Tree, logits: torch.Tensor, params: SamplingParams) -> dict[tuple, float]:
+    """Exact probability of each token sequence one verification can emit (accepted tokens, then the
+    bonus): the target's own sampling, stopped at the first token that leaves the tree."""
+    kids, tokens = tree.children(), tree.tokens.tolist()
+    out: dict[tuple, float] = {}
+
+    def walk(node: int, seq: tuple, prob: float):
+        p = target_probs(logits[node], params).double().tolist()
+        child = {tokens[c]: c for c in kids[node]}
+        for x, px in enumerate(p):
+            if px > 0:
+                if x in child:
+                    walk(child[x], seq + (x,), prob * px)
+                else:
+                    out[seq + (x,)] = prob * px
+
+    walk(0, (), 1.0)
+    return out
+
+
+def chi_square_pvalue(counts: Counter, expected: dict[tuple, float]) -> float:
+    """Pearson's test over the cells expected >= 5 times, the rare ones pooled into one cell."""
+    n = sum(counts.values())
+    impossible = set(counts) - set(expected)
+    assert not impossible, f"emitted sequences the target can never produce: {sorted(impossible)[:5]}"
+    big = [s for s in expected if expected[s] * n >= 5]
+    obs = [counts[s] for s in big] + [n - sum(counts[s] for s in big)]
+    exp = [expected[s] * n for s in big] + [n - sum(expected[s] * n for s in big)]
+    if exp[-1] < 5:  # nothing rare to pool: fold the remainder into the last big cell
+        obs, exp = obs[:-2] + [obs[-2] + obs[-1]], exp[:-2] + [exp[-2] + exp[-1]]
+    return float(scipy.stats.chisquare(obs, np.array(exp) * sum(obs) / sum(exp)).pvalue)
+
+
+SAMPLING = {"t1": SamplingParams(1.0), "t0.7-p0.9-k5": SamplingParams(0.7, 0.9, 5)}
+
+
+def fixed_tree(vocab: int = 8) -> tuple[Tree, torch.Tensor]:
+    """A depth-4 tree over known logits; children are chosen by their rank under the parent's logits
+    (likely and unlikely ones, not in probability order) so paths are accepted at every depth."""
+    g = torch.Generator().manual_seed(5)
+    parents = [-1, 0, 0, 0, 1, 1, 2, 4, 4, 7]
+    ranks = [None, 1, 0, 6, 0, 2, 0, 0, 3, 1]  # node i's token is the ranks[i]-th best under its parent
+    logits = 1.5 * torch.randn(len(parents), vocab, generator=g)
+    tokens = [0] + [int(logits[p].argsort(descending=True)[r]) for p, r in zip(parents[1:], ranks[1:])]
+    depths = [0]
+    for p in parents[1:]:
+        depths.append(depths[p] + 1)
+    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths)), logits
+
+
+@pytest.mark.parametrize("name", SAMPLING)
+def test_verification_emits_the_target_distribution(name):
+    """20,000 verifications of one tree: the emitted sequences follow the target's distribution exactly."""
+    params = SAMPLING[name]
+    tree, logits = fixed_tree()
+    expected = emitted_distribution(tree, logits, params)
+    assert sum(expected.values()) == pytest.approx(1.0)
+    gen = torch.Generator().manual_seed(0)
+    counts, accepted = Counter(), 0
+    for _ in range(20_000):
+        path, bonus = verify(tree, logits, params, gen)
+        counts[tuple(tree.tokens[path[1:]].tolist()) + (bonus,)] += 1
+        accepted += len(path) > 1
+    assert accepted > 5_000  # the tree is accepted into often, so the test sees acceptance, not only bonuses
+    assert max(map(len, counts)) >= 4
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def exact_continuations(model, prompt: list[int], n: int, params: SamplingParams) -> dict[tuple, float]:
+    """P(first n new tokens) under plain sampling, from one batched forward over every continuation."""
+    v = model.args.vocab_size
+    conts = torch.cartesian_prod(*[torch.arange(v)] * (n - 1)).reshape(-1, n - 1) if n > 1 else torch.zeros(1, 0)
+    seqs = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts.long()], dim=1)
+    with torch.inference_mode():
+        _, logits = model(seqs, torch.arange(seqs.shape[1])[None].expand(len(seqs), -1))
+    probs = target_probs(logits[:, len(prompt) - 1:], params).double()  # (conts, n, V)
+    out = {}
+    for row, cont in zip(probs, conts.long().tolist()):
+        prefix = 1.0
+        for i, x in enumerate(cont):
+            prefix *= float(row[i, x])
+        for x, px in enumerate(row[-1].tolist()):
+            if prefix * px > 0:
+                out[tuple(cont) + (x,)] = prefix * px
+    return out
+
+
+@pytest.mark.parametrize("name,draws", [("t1", 2000), ("t0.7-p0.9-k5", 1000)])
+def test_engine_sampling_follows_the_target(name, draws, make_oracle_pair):
+    """End to end: EAGLE's first three sampled tokens follow the target's exact joint distribution."""
+    params = SAMPLING[name]
+    model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
+    engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
+    prompt = [1, 2, 3]
+    expected = exact_continuations(model, prompt, 3, params)
+    counts, accepted = Counter(), 0
+    for seed in range(draws):
+        r = engine.generate(input_ids=prompt, max_new_tokens=3, temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, seed=seed, ignore_eos=True)
+        counts[tuple(r.token_ids)] += 1
+        accepted += r.accept_lengths[0] > 1
+    assert accepted > draws // 4  # drafts do get accepted
+    assert chi_square_pvalue(counts, expected) > 1e-3

@@ -10,6 +10,7 @@ which is how tests plant a deliberately wrong decoder to check that the identity
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -488,6 +489,7 @@ def add_cli(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are compared)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="use this many questions, spread over categories")
+    p.add_argument("--max-turns", type=int, default=None, help="run at most this many turns of each question")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the first question (T > 0)")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write all figures and records here")
     p.add_argument("--report", default=None, metavar="OUT_DIR", help="write report.md and PNG plots here")
@@ -508,6 +510,10 @@ def run(args) -> int:
     names = parse_methods(args.methods)
     path = resolve_dataset(args.dataset, args.questions_dir)
     questions = pick(load_questions(path), args.limit)
+    if args.max_turns is not None:
+        if args.max_turns < 1:
+            raise ValueError(f"--max-turns must be >= 1, got {args.max_turns}")
+        questions = [dataclasses.replace(q, turns=q.turns[: args.max_turns]) for q in questions]
     engine = build_engine(args)
     if getattr(engine, "head_source", None) == "random" and any(n.startswith("eagle") for n in names):
         print("eaglespec bench: the draft head is random (no trained head given or shipped): "

@@ -33,7 +33,7 @@ class GenerationResult:
     finish_reason: str                 # "stop" (EOS or stop string) | "length"
     method: str
     target_forwards: int               # decoding forwards of the target, prefill excluded
-    tau: float                         # new tokens per decoding forward, bonus counted, prefill token excluded
+    tau: float                         # tokens produced per decoding forward (bonus and EOS counted; prefill excluded)
     accept_lengths: list[int] = field(default_factory=list)  # tokens added per round (accepted + bonus)
     time_s: float = 0.0                # prompt in to last token out, prefill included
     time_prefill_s: float = 0.0
@@ -256,15 +256,16 @@ class Engine:
         start = time.perf_counter()
         try:
             for new in rounds:
-                done = False
+                done, generated = False, len(new)
                 for i, t in enumerate(new):
                     if t in self.eos_ids and not ignore_eos:
-                        new, finish, done = new[:i], "stop", True
+                        new, finish, done, generated = new[:i], "stop", True, i + 1
                         break
                 if len(out) + len(new) >= budget:
                     new, done = new[: budget - len(out)], True
-                if done and out and timers.accept:  # a cut decoding round counts what it kept
-                    timers.accept[-1] = len(new)
+                    generated = len(new)
+                if out and timers.accept:  # a cut round counts what it produced: kept tokens and the EOS
+                    timers.accept[-1] = generated
                 out += new
                 if self.tokenizer is not None:
                     text = self.tokenizer.decode(out, skip_special_tokens=True)
@@ -287,7 +288,7 @@ class Engine:
         result = GenerationResult(
             text=text, token_ids=out, prompt_tokens=len(ids), new_tokens=len(out), finish_reason=finish,
             method=method, target_forwards=fwd,
-            tau=max(len(out) - 1, 0) / fwd if fwd else 1.0, accept_lengths=list(timers.accept),
+            tau=sum(timers.accept) / fwd if fwd else 1.0, accept_lengths=list(timers.accept),
             time_s=elapsed, time_prefill_s=timers.prefill, time_draft_s=timers.draft,
             time_verify_s=timers.verify, tokens_per_s=len(out) / elapsed if elapsed > 0 else 0.0)
         yield StreamChunk(delta, new, result)

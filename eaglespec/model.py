@@ -120,39 +120,48 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache(nn.Module):
-    """Keys and values of every layer in two preallocated buffers, (layers, batch, kv heads, slots, dim)."""
+    """Preallocated keys and values, one (batch, kv heads, slots, dim) buffer pair per layer.
+
+    Separate buffers per layer (not one stacked tensor) let a compiled graph update each in place;
+    a write into a view of a shared buffer is functionalised into a copy of the whole cache."""
 
     def __init__(self, n_layers, batch, n_kv_heads, max_len, head_dim, dtype, device):
         super().__init__()
-        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.n_layers = n_layers
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        for i in range(n_layers):
+            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k0.shape[2]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(self, f"k{i}"), getattr(self, f"v{i}")
 
     def write(self, layer: int, start: int | torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int = 0):
         """Store k/v from slot `start` on; return the first `kv_len` (default: up to the last written) slots.
 
-        A tensor `start` holds the slot indices: an in-place index_copy_ keeps compiled graphs from
-        copying the whole cache each call."""
+        A tensor `start` holds the slot indices (compiled, static shapes): written with index_copy_ in place."""
+        kc, vc = self.layer(layer)
         if isinstance(start, torch.Tensor):
-            self.k[layer].index_copy_(2, start, k)
-            self.v[layer].index_copy_(2, start, v)
-            return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+            kc.index_copy_(2, start, k)
+            vc.index_copy_(2, start, v)
+            return kc[:, :, :kv_len], vc[:, :, :kv_len]
         end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        kc[:, :, start:end] = k
+        vc[:, :, start:end] = v
+        return kc[:, :, :end], vc[:, :, :end]
 
     def move(self, src: torch.Tensor, dst_start: int):
         """Copy slots `src` to `dst_start...`: keeps an accepted tree path contiguous after verification."""
         dst = torch.arange(dst_start, dst_start + src.numel(), device=src.device)
         if torch.equal(src, dst):
             return
-        self.k[:, :, :, dst] = self.k[:, :, :, src]
-        self.v[:, :, :, dst] = self.v[:, :, :, src]
+        for i in range(self.n_layers):
+            for buf in self.layer(i):
+                buf[:, :, dst] = buf[:, :, src]
 
 
 class Attention(nn.Module):

@@ -1,0 +1,273 @@
+"""`eaglespec features`: the frozen target's features for every token of the training data, once,
+into safetensors shards, so that several training epochs do not pay the target's forward again.
+
+OUT/manifest.json describes the run; OUT/shard-00000.safetensors ... each hold `--shard-size`
+conversations, flattened: input_ids (int32, N), loss_mask (uint8, N: 1 on assistant tokens),
+features (float16/bfloat16, N x hidden), offsets (int64, conversations + 1), index (int64: the
+conversation's position in the loaded data). The split keys sit in each shard's metadata. Shards are
+written to a temporary file and renamed, so an interrupted run resumes by skipping finished shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .data import Example, encode_all, load_conversations
+
+FORMAT = "eaglespec-features"
+FEATURE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def add_model_args(p) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype (default: float32 on CPU, bfloat16 on CUDA)")
+
+
+def add_data_args(p):
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, help="sharegpt (default) | PATH.json | PATH.jsonl | hf:NAME")
+    g.add_argument("--max-conversations", type=int, default=None, help="use the first N usable conversations")
+    g.add_argument("--max-len", type=int, default=None, help="cut conversations to this many tokens (default 2048)")
+    g.add_argument("--batch-tokens", type=int, default=8192,
+                   help="padded tokens per batch (sequences of similar length are batched together)")
+    return g
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("features", help="precompute the target's features for training into sharded files")
+    add_model_args(p)
+    add_data_args(p)
+    p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
+    p.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
+    p.add_argument("--feature-dtype", default="float16", choices=list(FEATURE_DTYPES),
+                   help="on-disk dtype of the features (float16 keeps more mantissa; bfloat16 more range)")
+    p.set_defaults(func=run_features)
+
+
+# ---- shared by `features` and `train` -------------------------------------------------------------
+
+def check_positive(**values) -> None:
+    for name, v in values.items():
+        if v is not None and v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+
+
+def load_model(args):
+    from .loading import load_target, load_tokenizer
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    target, folder = load_target(args.model, device=args.device, dtype=dtype)
+    return target, load_tokenizer(folder), folder
+
+
+def load_examples(tokenizer, data: str, max_conversations: int | None, max_len: int, log=print) -> tuple[list[Example], str]:
+    """Conversations of `data` tokenized with the target's template; prints and returns the summary line."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the target's tokenizer has no chat template: training data cannot be rendered")
+    conversations, report = load_conversations(data, max_conversations)
+    examples = encode_all(tokenizer, conversations, max_len, report, progress=True)
+    summary = report.summary(len(examples))
+    log(summary)
+    if not examples:
+        raise ValueError(f"no usable conversations in {data} after tokenizing (max-len {max_len})")
+    return examples, summary
+
+
+def model_spec(model: str | None) -> str:
+    """--model as recorded: an existing path made absolute (training may run elsewhere)."""
+    if not model:
+        return "default"
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+def model_fingerprint(model) -> str:
+    """Identifies the target's weights well enough to refuse features computed with another model."""
+    h = hashlib.sha256(json.dumps(model.args.to_dict(), sort_keys=True, default=str).encode())
+    for w in (model.norm.weight, model.lm_head.weight[:64], model.layers[-1].mlp.down_proj.weight[:8]
+              if hasattr(model.layers[-1], "mlp") else model.embed_tokens.weight[:64]):
+        h.update(w.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def pad_batch(seqs: list[list[int]] | list[torch.Tensor], value=0, dtype=torch.long) -> torch.Tensor:
+    """Right-padded (B, T): with causal attention a real token never sees a pad to its right."""
+    t = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), t), value, dtype=dtype)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.as_tensor(s, dtype=dtype)
+    return out
+
+
+def target_features(target, ids: torch.Tensor) -> torch.Tensor:
+    """The features (after the final norm) of right-padded `ids` (B, T); no logits needed."""
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    feats, _ = target(ids, positions, logits=False)
+    return feats
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Positions in `lengths`, longest first, packed into batches of at most batch_tokens padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and lengths[cur[0]] * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    return batches + ([cur] if cur else [])
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+def shard_name(i: int) -> str:
+    return f"shard-{i:05d}.safetensors"
+
+
+def run_features(args) -> int:
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    check_positive(max_conversations=args.max_conversations, max_len=args.max_len,
+                   batch_tokens=args.batch_tokens, shard_size=args.shard_size)
+    data, max_len = args.data or "sharegpt", args.max_len or 2048
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    target, tokenizer, folder = load_model(args)
+    examples, summary = load_examples(tokenizer, data, args.max_conversations, max_len)
+    shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
+    manifest = {
+        "format": FORMAT, "version": 1,
+        "model": model_spec(args.model), "model_folder": str(folder), "model_fingerprint": model_fingerprint(target),
+        "hidden_size": target.args.hidden_size, "vocab_size": target.args.vocab_size,
+        "data": data, "max_conversations": args.max_conversations, "max_len": max_len,
+        "feature_dtype": args.feature_dtype, "shard_size": args.shard_size, "data_summary": summary,
+        "n_conversations": len(examples), "n_tokens": sum(len(e.ids) for e in examples),
+        "n_assistant_tokens": sum(sum(e.mask) for e in examples),
+        "shards": [{"file": shard_name(i), "conversations": len(s), "tokens": sum(len(e.ids) for e in s)}
+                   for i, s in enumerate(shards)],
+        "complete": False,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    check_resumable(out, manifest)
+    write_json(out / "manifest.json", manifest)
+
+    done = [(out / shard_name(i)).is_file() for i in range(len(shards))]
+    total = manifest["n_tokens"]
+    initial = sum(s["tokens"] for s, d in zip(manifest["shards"], done) if d)
+    if any(done):
+        print(f"resuming: {sum(done)} of {len(shards)} shards already in {out}")
+    fdtype = FEATURE_DTYPES[args.feature_dtype]
+    device = target.embed_tokens.weight.device
+    start = time.perf_counter()
+    bar = tqdm(total=total, initial=initial, unit="tok", unit_scale=True, desc="features", smoothing=0.1)
+    for i, shard in enumerate(shards):
+        if done[i]:
+            continue
+        feats = [None] * len(shard)
+        for b in length_batches([len(e.ids) for e in shard], args.batch_tokens):
+            ids = pad_batch([shard[j].ids for j in b]).to(device)
+            with torch.inference_mode():
+                f = target_features(target, ids)
+            if fdtype == torch.float16 and f.abs().max() > 65000:
+                raise ValueError("features overflow float16: rerun with --feature-dtype bfloat16")
+            for row, j in enumerate(b):
+                feats[j] = f[row, : len(shard[j].ids)].to(device="cpu", dtype=fdtype)
+            bar.update(sum(len(shard[j].ids) for j in b))
+        lengths = torch.tensor([len(e.ids) for e in shard])
+        tensors = {
+            "input_ids": torch.tensor([t for e in shard for t in e.ids], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for e in shard for m in e.mask], dtype=torch.uint8),
+            "features": torch.cat(feats).contiguous(),
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+            "index": torch.tensor([e.index for e in shard], dtype=torch.long),
+        }
+        tmp = out / (shard_name(i) + ".tmp")
+        save_file(tensors, str(tmp), metadata={"keys": json.dumps([e.key for e in shard])})
+        tmp.replace(out / shard_name(i))
+    bar.close()
+    manifest["complete"] = True
+    manifest["seconds"] = round(time.perf_counter() - start, 1)
+    write_json(out / "manifest.json", manifest)
+    done_tokens = total - initial
+    rate = done_tokens / max(time.perf_counter() - start, 1e-9)
+    print(f"features: {len(examples):,} conversations, {total:,} tokens in {len(shards)} shards in {out} "
+          f"({done_tokens:,} computed now at {rate:,.0f} tok/s)")
+    return 0
+
+
+RESUME_KEYS = ("model_fingerprint", "data", "max_conversations", "max_len", "feature_dtype", "shard_size",
+               "n_conversations", "n_tokens")
+
+
+def check_resumable(out: Path, manifest: dict) -> None:
+    path = out / "manifest.json"
+    if not path.is_file():
+        if any(out.glob("shard-*.safetensors")):
+            raise ValueError(f"{out} holds shards but no manifest.json: use an empty --out folder")
+        return
+    try:
+        old = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        raise ValueError(f"{path} is not valid JSON: delete {out} or use another --out") from None
+    diff = [k for k in RESUME_KEYS if old.get(k) != manifest.get(k)]
+    if old.get("format") != FORMAT or diff:
+        raise ValueError(f"{out} holds features of a different run (differs in: {', '.join(diff) or 'format'}): "
+                         "use another --out or repeat the original command")
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
+
+
+# ---- reading them back --------------------------------------------------------------------------------
+
+class FeatureStore:
+    """Random access to the conversations of a features folder (memory-mapped, read per slice)."""
+
+    def __init__(self, folder: str | Path):
+        from safetensors import safe_open
+        self.folder = Path(folder).expanduser()
+        path = self.folder / "manifest.json"
+        if not path.is_file():
+            raise ValueError(f"no features in {self.folder} (missing manifest.json): run `eaglespec features --out {folder}`")
+        try:
+            self.manifest = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            raise ValueError(f"{path} is not valid JSON") from None
+        m = self.manifest
+        missing = [s["file"] for s in m.get("shards", []) if not (self.folder / s["file"]).is_file()]
+        if m.get("format") != FORMAT:
+            raise ValueError(f"{path} is not an eaglespec features manifest")
+        if missing or not m.get("complete"):
+            n = len(m.get("shards", []))
+            raise ValueError(f"features in {self.folder} are incomplete ({n - len(missing)} of {n} shards done): "
+                             "rerun the same `eaglespec features` command to finish them")
+        self.files, self.rows, self.keys, self.index, self.lengths = [], [], [], [], []
+        for f, s in enumerate(m["shards"]):
+            handle = safe_open(str(self.folder / s["file"]), framework="pt")
+            self.files.append(handle)
+            offsets = handle.get_tensor("offsets").tolist()
+            self.keys += json.loads(handle.metadata()["keys"])
+            self.index += handle.get_tensor("index").tolist()
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                self.rows.append((f, a, b))
+                self.lengths.append(b - a)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids (T,) long, assistant mask (T,) bool, features (T, H) in the stored dtype."""
+        f, a, b = self.rows[i]
+        h = self.files[f]
+        return (h.get_slice("input_ids")[a:b].long(), h.get_slice("loss_mask")[a:b].bool(),
+                h.get_slice("features")[a:b])

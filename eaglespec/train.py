@@ -1,0 +1,686 @@
+"""`eaglespec train`: train an EAGLE draft head on a frozen target (EAGLE-1 recipe).
+
+Position t of a sequence feeds the head (embed(x_{t+1}), f_t) and asks for f_{t+1}; it counts in the
+loss iff x_{t+1}, the token it is fed, is the assistant's (so the first position trained on a reply
+is the one that drafts its second token, as at inference after the prompt). Loss per micro-batch:
+  feature_weight * SmoothL1(pred, f_{t+1}) (mean over hidden dims)
+  + ce_weight * cross-entropy(softmax(lm_head(f_{t+1})), log_softmax(lm_head(pred))),
+both averaged over the counted positions. Input features get uniform noise U(-a, a), a = --noise;
+unlike the official code we do not scale it by 512 / padded length, which makes the noise depend on
+how sequences happen to be batched (a 64-token batch would get 8x the noise).
+
+OUT/head (latest head, `--head OUT/head`), OUT/checkpoint/ (head + optimizer, position and RNG
+state for --resume), OUT/metrics.jsonl (held-out evaluations), OUT/train_log.jsonl (every step),
+OUT/card.md (at the end). Under `torchrun --nproc_per_node N` it trains data-parallel; step s then
+uses the same micro-batches as one process with --grad-accum N would (see `rank_batches`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import shlex
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .data import make_batches, split
+from .features import (FeatureStore, add_data_args, add_model_args, check_positive, load_examples, load_model,
+                       model_fingerprint, pad_batch, target_features)
+from .head import EagleHead, load_head, random_head
+from .model import rotate_half
+
+EVAL_DEPTHS = 4
+CE_CHUNK = 512  # rows of logits alive at once (chunk x vocab floats, a few of them)
+
+
+def add_cli(sub) -> None:
+    p = sub.add_parser("train", help="train an EAGLE draft head for a target model")
+    add_model_args(p)
+    d = add_data_args(p)
+    d.add_argument("--features-dir", default=None,
+                   help="features precomputed by `eaglespec features` (default: run the target in the loop)")
+    e = p.add_argument_group("evaluation")
+    e.add_argument("--held-out", type=float, default=0.05, help="held-out fraction (split by a hash of each chat)")
+    e.add_argument("--eval-conversations", type=int, default=32,
+                   help="held-out conversations evaluated (the LM head makes evaluation costly on CPU)")
+    o = p.add_argument_group("objective")
+    o.add_argument("--feature-weight", type=float, default=1.0, help="weight of the SmoothL1 feature loss")
+    o.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy to the target's distribution")
+    o.add_argument("--loss-weights", default=None, metavar="F,C", help="shorthand for --feature-weight F --ce-weight C")
+    o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features")
+    o.add_argument("--no-fc-bias", action="store_true", help="fc without bias (as the LLaMA3 heads; vLLM drops it)")
+    t = p.add_argument_group("optimisation")
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up, then linear decay to 0")
+    t.add_argument("--clip", type=float, default=0.5, help="gradient clipping threshold (0 = off)")
+    t.add_argument("--clip-mode", default="value", choices=["value", "norm"],
+                   help="clip each gradient element (official EAGLE) or the global norm")
+    t.add_argument("--epochs", type=int, default=1)
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (per process)")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
+    r = p.add_argument_group("run")
+    r.add_argument("--out", required=True, help="output folder")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
+    r.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at each epoch end)")
+    r.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (and at each epoch end)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: die like a killed run
+    p.set_defaults(func=run_train, parser=p)
+
+
+def command_line(args, world: int) -> str:
+    """The command as it would be typed, rebuilt from the parsed flags (main() may get argv from a caller)."""
+    parts = ["eaglespec", "train"] if world == 1 else ["torchrun", "--nproc_per_node", str(world), "-m",
+                                                       "eaglespec.cli", "train"]
+    for action in args.parser._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest in ("help", "stop_after") or value == action.default:
+            continue
+        parts += [action.option_strings[-1]] if value is True else [action.option_strings[-1], str(value)]
+    return shlex.join(parts)
+
+
+# ---- the objective ------------------------------------------------------------------------------------
+
+def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (x.to(weight.dtype) @ weight.T).float()
+
+
+def soft_ce(pred, target, weight, want_grad: bool = True):
+    """mean over rows of -sum_v p(v) log q(v), q = softmax(pred W^T), p = softmax(target W^T), W frozen.
+
+    Walks the rows in chunks, so the rows x vocab logits never exist all at once, and forms
+    d loss / d pred on the way (no recomputation in backward). Returns the loss, top-1/top-3 hits of
+    q's ranking against p's argmax, that argmax, and the gradient (None unless asked)."""
+    n = pred.shape[0]
+    loss = torch.zeros((), dtype=torch.float32, device=pred.device)
+    hits = torch.zeros(2, dtype=torch.long, device=pred.device)
+    grad = torch.empty(pred.shape, dtype=torch.float32, device=pred.device) if want_grad else None
+    best = torch.empty(n, dtype=torch.long, device=pred.device)
+    k = min(3, weight.shape[0])
+    for s in range(0, n, CE_CHUNK):
+        zq, zp = _logits(pred[s:s + CE_CHUNK], weight), _logits(target[s:s + CE_CHUNK], weight)
+        logq, p = torch.log_softmax(zq, -1), torch.softmax(zp, -1)
+        loss -= (p * logq).sum()
+        best[s:s + CE_CHUNK] = zp.argmax(-1)
+        top = zq.topk(k, -1).indices
+        hits[0] += (top[:, 0] == best[s:s + CE_CHUNK]).sum()
+        hits[1] += (top == best[s:s + CE_CHUNK, None]).any(-1).sum()
+        if want_grad:  # d/dz of -sum p log softmax(z) is softmax(z) - p
+            grad[s:s + CE_CHUNK] = _logits(logq.exp_() - p, weight.T)
+    n = max(n, 1)
+    return loss / n, hits, best, (grad / n if want_grad else None)
+
+
+class SoftCrossEntropy(torch.autograd.Function):
+    """`soft_ce` as an autograd function of `pred`; also returns the (non-differentiable) hits."""
+
+    @staticmethod
+    def forward(ctx, pred, target, weight):
+        loss, hits, _, grad = soft_ce(pred, target, weight)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hits):
+        (grad,) = ctx.saved_tensors
+        return grad_loss * grad, None, None
+
+
+def shift_inputs(ids, amask, feats):
+    """Head inputs and targets from a right-padded batch: tokens and targets shifted left by one."""
+    tok_in = F.pad(ids[:, 1:], (0, 1))
+    counted = F.pad(amask[:, 1:], (0, 1))          # position t counts iff x_{t+1} is the assistant's
+    target = F.pad(feats[:, 1:], (0, 0, 0, 1))
+    return tok_in, counted, target
+
+
+def batch_loss(head, target_model, ids, amask, feats, *, noise: float, weights: tuple[float, float],
+               generator: torch.Generator | None, autocast) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch; `head` may be the DDP wrapper. Returns (loss, float statistics)."""
+    tok_in, counted, target = shift_inputs(ids, amask, feats)
+    feat_in = feats.float()
+    if noise:
+        u = torch.rand(feat_in.shape, generator=generator, device="cpu").to(feat_in.device)
+        feat_in = feat_in + (2 * u - 1) * noise
+    positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
+    with torch.no_grad():
+        embeds = target_model.embed_tokens(tok_in)
+    with autocast():
+        pred = head(embeds, feat_in, positions)
+    sel = counted.bool()
+    n = int(sel.sum())
+    if n == 0:  # nothing to learn here; keep every parameter in the graph for DDP
+        return pred.sum() * 0.0, {"loss": 0.0, "feature_loss": 0.0, "ce_loss": 0.0, "top1": 0, "top3": 0, "n": 0}
+    p, t = pred[sel].float(), target[sel].float()
+    feature_loss = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
+    if weights[1]:
+        ce_loss, hits = SoftCrossEntropy.apply(p, t, target_model.lm_head.weight)
+    else:  # the LM head passes are most of a step's cost on CPU: skip them when unused
+        ce_loss, hits = torch.zeros(()), torch.full((2,), -1)
+    loss = weights[0] * feature_loss + weights[1] * ce_loss
+    return loss, {"loss": loss.item(), "feature_loss": feature_loss.item(), "ce_loss": ce_loss.item(),
+                  "top1": int(hits[0]), "top3": int(hits[1]), "n": n}
+
+
+# ---- evaluation: the head fed its own features, as when drafting -------------------------------------
+
+def _qkv(attn, x, cos, sin):
+    b, t, _ = x.shape
+    q = attn.q_proj(x).view(b, t, attn.n_heads, attn.hd).transpose(1, 2)
+    k = attn.k_proj(x).view(b, t, attn.n_kv, attn.hd).transpose(1, 2)
+    v = attn.v_proj(x).view(b, t, attn.n_kv, attn.hd).transpose(1, 2)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    if attn.n_kv != attn.n_heads:
+        rep = attn.n_heads // attn.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return q, k, v
+
+
+def _finish(layer, x, y):
+    b, h, t, d = y.shape
+    x = x + layer.self_attn.o_proj(y.transpose(1, 2).reshape(b, t, h * d))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _shift_right(x: torch.Tensor, s: int, dim: int) -> torch.Tensor:
+    if s == 0:
+        return x
+    pad = torch.zeros_like(x.narrow(dim, 0, s))
+    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - s)], dim)
+
+
+def unrolled_predictions(head: EagleHead, embeds: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """The head's predictions k = 1..depth steps into a draft, for every position at once.
+
+    outs[k-1][:, p] predicts f_{p+1} after a chain of k head steps that started from the true
+    feature f_{p-k+1}: step 1 at position p-k+1 is fed (f_{p-k+1}, x_{p-k+2}); step i > 1 at
+    position p-k+i is fed (the previous step's predicted feature, x_{p-k+i+1}). Tokens stay the real
+    ones. Each step attends to what the head's cache would hold when drafting: the true-feature
+    steps at positions <= p-k+1 and the chain's own earlier steps. Valid for p >= k-1.
+    """
+    b, t, _ = feats.shape
+    layer, attn = head.layers[0], head.layers[0].self_attn
+    positions = torch.arange(t, device=feats.device)[None].expand(b, -1)
+    x1 = head.fc(torch.cat((embeds, feats.to(embeds.dtype)), -1))
+    cos, sin = head.rotary(positions, x1.dtype)
+    q1, k1, v1 = _qkv(attn, x1, cos, sin)
+    outs = [_finish(layer, x1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True))]
+    keys, values = [k1], [v1]
+    idx = torch.arange(t, device=feats.device)
+    scale = 1.0 / math.sqrt(attn.hd)
+    for step in range(2, depth + 1):
+        fed = _shift_right(outs[-1], 1, 1)  # position p gets the previous step's prediction made at p-1
+        x = head.fc(torch.cat((embeds, fed.to(embeds.dtype)), -1))
+        q, k, v = _qkv(attn, x, cos, sin)
+        keys.append(k), values.append(v)
+        lag = step - 1
+        prefix = (q @ k1.transpose(-1, -2)) * scale
+        prefix = prefix.masked_fill(idx[None, :] > idx[:, None] - lag, float("-inf"))
+        chain_s, chain_v = [], []
+        for i in range(2, step + 1):  # the chain's step i sits at p - (step - i)
+            s = step - i
+            ki, vi = _shift_right(keys[i - 1], s, 2), _shift_right(values[i - 1], s, 2)
+            score = (q * ki).sum(-1, keepdim=True) * scale
+            chain_s.append(score.masked_fill((idx < s)[:, None], float("-inf")))
+            chain_v.append(vi)
+        probs = torch.cat([prefix] + chain_s, -1).float().softmax(-1).to(q.dtype)
+        y = probs[..., :t] @ v1
+        for j, vi in enumerate(chain_v):
+            y = y + probs[..., t + j:t + j + 1] * vi
+        outs.append(_finish(layer, x, y))
+    return outs
+
+
+@torch.no_grad()
+def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], weights, autocast,
+             depth: int = EVAL_DEPTHS) -> dict:
+    """Sums over `batches` of `source`: loss parts, top-1/top-3 at step 1, top-1 at steps 2..depth."""
+    head.eval()
+    w = target_model.lm_head.weight
+    sums = torch.zeros(5 + depth, dtype=torch.float64)  # loss, feat, ce, n, top3, top1 at each depth
+    for b in batches:
+        ids, amask, feats = source.batch(b)
+        tok_in, counted, target = shift_inputs(ids, amask, feats)
+        with autocast():
+            outs = unrolled_predictions(head, target_model.embed_tokens(tok_in), feats.float(), depth)
+        sel = counted.bool()
+        n = int(sel.sum())
+        if n == 0:
+            continue
+        p, t = outs[0][sel].float(), target[sel].float()
+        fl = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
+        ce, hits, best, _ = soft_ce(p, t, w, want_grad=False)
+        sums[0] += n * float(weights[0] * fl + weights[1] * ce)
+        sums[1] += n * float(fl)
+        sums[2] += n * float(ce)
+        sums[3] += n
+        sums[4] += int(hits[1])
+        sums[5] += int(hits[0])
+        pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(sel)[sel]
+        for k in range(2, depth + 1):
+            valid = pos >= k - 1
+            pk = outs[k - 1][sel][valid].float()
+            guess = torch.cat([_logits(pk[s:s + CE_CHUNK], w).argmax(-1) for s in range(0, pk.shape[0], CE_CHUNK)]) \
+                if pk.shape[0] else best[:0]
+            sums[4 + k] += int((guess == best[valid]).sum())
+            # positions too early for a k-step chain count as misses: the denominator stays n
+    head.train()
+    return sums
+
+
+def eval_metrics(sums: torch.Tensor, depth: int = EVAL_DEPTHS) -> dict:
+    n = max(float(sums[3]), 1.0)
+    out = {"loss": sums[0] / n, "feature_loss": sums[1] / n, "ce_loss": sums[2] / n, "top1": sums[5] / n,
+           "top3": sums[4] / n}
+    for k in range(2, depth + 1):
+        out[f"top1_depth{k}"] = sums[4 + k] / n
+    out = {k: round(float(v), 5) for k, v in out.items()}
+    out["tokens"] = int(sums[3])
+    return out
+
+
+# ---- where batches come from ----------------------------------------------------------------------------
+
+class InLoopSource:
+    """Tokenized conversations; the target computes their features per batch (cached if asked)."""
+
+    def __init__(self, examples, target_model, cache: bool = False):
+        self.examples, self.target, self.cache = examples, target_model, {} if cache else None
+        self.lengths = [len(e.ids) for e in examples]
+        self.device = target_model.embed_tokens.weight.device
+
+    def batch(self, idx: list[int]):
+        ids = pad_batch([self.examples[i].ids for i in idx]).to(self.device)
+        amask = pad_batch([self.examples[i].mask for i in idx], False, torch.bool).to(self.device)
+        key = tuple(idx)
+        if self.cache is not None and key in self.cache:
+            return ids, amask, self.cache[key]
+        with torch.no_grad():
+            feats = target_features(self.target, ids)
+        if self.cache is not None:
+            self.cache[key] = feats
+        return ids, amask, feats
+
+
+class StoredSource:
+    """Rows of a FeatureStore."""
+
+    def __init__(self, store: FeatureStore, rows: list[int], device):
+        self.store, self.rows, self.device = store, rows, device
+        self.lengths = [store.lengths[r] for r in rows]
+
+    def batch(self, idx: list[int]):
+        items = [self.store.get(self.rows[i]) for i in idx]
+        ids = pad_batch([x[0] for x in items]).to(self.device)
+        amask = pad_batch([x[1] for x in items], False, torch.bool).to(self.device)
+        t = ids.shape[1]
+        feats = torch.zeros(len(items), t, items[0][2].shape[-1], dtype=torch.float32)
+        for row, x in enumerate(items):
+            feats[row, : x[2].shape[0]] = x[2].float()
+        return ids, amask, feats.to(self.device)
+
+
+def rank_batches(batches: list[list[int]], step_in_epoch: int, rank: int, world: int, accum: int):
+    """Step s uses micro-batches [s*W*A, (s+1)*W*A) of the epoch; rank r takes the r-th run of A.
+    (global micro-batch number, batch) pairs: the number seeds that micro-batch's noise."""
+    first = (step_in_epoch * world + rank) * accum
+    return [(first + j, batches[first + j]) for j in range(accum)]
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+
+def checkpoint_dir(out: Path) -> Path | None:
+    for name in ("checkpoint", "checkpoint.old"):  # .old survives a kill between the two renames
+        if (out / name / "state.pt").is_file() and (out / name / "head" / "model.safetensors").is_file():
+            return out / name
+    return None
+
+
+def save_checkpoint(out: Path, head: EagleHead, opt, state: dict, extra_config: dict) -> None:
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    head.save(tmp / "head", extra_config)
+    torch.save({**state, "optimizer": opt.state_dict(), "rng_cpu": torch.get_rng_state()}, tmp / "state.pt")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+    head.save(out / "head", extra_config)
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+
+def setup_distributed(device_arg: str | None):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device_arg
+    import torch.distributed as dist
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() if device_arg is None else device_arg.startswith("cuda")
+    device = f"cuda:{local}" if use_cuda else "cpu"
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    return rank, world, device
+
+
+def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
+    """Linear warm-up over `warmup` steps, then linear decay to 0 at `total` (EAGLE's schedule)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    return lr * max(0.0, (total - step) / max(1, total - warmup))
+
+
+def clip_gradients(params, clip: float, mode: str) -> float:
+    params = [p for p in params if p.grad is not None]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip and mode == "norm" else float("inf")))
+    if clip and mode == "value":
+        torch.nn.utils.clip_grad_value_(params, clip)
+    return norm
+
+
+def parse_weights(args) -> tuple[float, float]:
+    fw, cw = args.feature_weight, args.ce_weight
+    if args.loss_weights:
+        try:
+            fw, cw = (float(x) for x in args.loss_weights.split(","))
+        except ValueError:
+            raise ValueError(f"--loss-weights must be F,C (two numbers), got '{args.loss_weights}'") from None
+    if fw < 0 or cw < 0 or fw + cw == 0:
+        raise ValueError("loss weights must be >= 0 and not both 0")
+    return fw, cw
+
+
+def validate(args) -> None:
+    check_positive(max_conversations=args.max_conversations, max_len=args.max_len, batch_tokens=args.batch_tokens,
+                   epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
+                   eval_conversations=args.eval_conversations)
+    for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 <= args.held_out < 1:
+        raise ValueError(f"--held-out must be in [0, 1), got {args.held_out}")
+
+
+def fingerprint_data(lengths: list[int], held: list[int]) -> str:
+    import hashlib
+    return hashlib.sha256(json.dumps([lengths, held]).encode()).hexdigest()[:16]
+
+
+def run_train(args) -> int:
+    validate(args)
+    weights = parse_weights(args)
+    rank, world, device = setup_distributed(args.device)
+    args.command = command_line(args, world)  # before defaults get filled in
+    args.device = device
+    try:
+        return _train(args, weights, rank, world)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _train(args, weights, rank: int, world: int) -> int:
+    from tqdm import tqdm
+    log = print if rank == 0 else (lambda *a, **k: None)
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder")
+    ckpt = checkpoint_dir(out) if out.is_dir() else None
+    if ckpt and not args.resume:
+        raise ValueError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
+    if args.resume and ckpt is None:
+        log(f"--resume: no checkpoint in {out}, starting from scratch")
+
+    store = None
+    if args.features_dir:
+        store = FeatureStore(args.features_dir)
+        m = store.manifest
+        if args.model is None and m.get("model") not in (None, "default"):
+            args.model = m["model"]
+        ignored = [f"--{n.replace('_', '-')}" for n in ("data", "max_conversations", "max_len") if getattr(args, n) is not None]
+        if ignored:
+            log(f"note: {', '.join(ignored)} ignored: the data come from {store.folder}")
+    target, tokenizer, _ = load_model(args)
+    device = target.embed_tokens.weight.device
+    if store is not None:
+        m = store.manifest
+        if (m["hidden_size"], m["vocab_size"]) != (target.args.hidden_size, target.args.vocab_size) \
+                or m["model_fingerprint"] != model_fingerprint(target):
+            raise ValueError(f"features in {store.folder} were computed with another model ({m.get('model')}); "
+                             "pass the same --model or recompute them")
+        data_desc = f"{m['data']} (features {store.folder}, max-len {m['max_len']})"
+        data_summary = m.get("data_summary", "")
+        keys = store.keys
+    else:
+        max_len = args.max_len or 2048
+        examples, data_summary = load_examples(tokenizer, args.data or "sharegpt", args.max_conversations, max_len,
+                                               log=log)
+        data_desc = f"{args.data or 'sharegpt'} (max-len {max_len}, features computed in the loop)"
+        keys = [e.key for e in examples]
+    train_rows, held_rows = split(keys, args.seed, args.held_out)
+    eval_rows = held_rows[: args.eval_conversations]
+    if not train_rows:
+        raise ValueError("no training conversations after the held-out split")
+    if store is not None:
+        train_src, eval_src = StoredSource(store, train_rows, device), StoredSource(store, eval_rows, device)
+    else:
+        train_src = InLoopSource([examples[i] for i in train_rows], target)
+        eval_src = InLoopSource([examples[i] for i in eval_rows], target, cache=True)
+    # Several attention score matrices of (batch, heads, T, T) live at once in the unrolled evaluation.
+    eval_batches = make_batches(eval_src.lengths, max(max(eval_src.lengths, default=1), args.batch_tokens // 4),
+                                args.seed, 999_999)[rank::world] if eval_rows else []
+
+    per_step = world * args.grad_accum
+    epoch_batches = [make_batches(train_src.lengths, args.batch_tokens, args.seed, e) for e in range(args.epochs)]
+    steps_per_epoch = [len(b) // per_step for b in epoch_batches]
+    if sum(steps_per_epoch) == 0:
+        raise ValueError(f"too little data for one step: {len(epoch_batches[0])} batches for {world} process(es) "
+                         f"x grad-accum {args.grad_accum}; lower --batch-tokens or add data")
+    total_steps = min(sum(steps_per_epoch), args.max_steps or sum(steps_per_epoch))
+    data_fp = fingerprint_data(train_src.lengths, eval_rows)
+    train_tokens = sum(train_src.lengths)
+    log(f"train: {len(train_rows):,} conversations ({train_tokens:,} tokens), held-out {len(held_rows):,} "
+        f"(evaluating {len(eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= {args.batch_tokens} "
+        f"tokens; {world} process(es) on {device}")
+
+    head = random_head(target.args, seed=args.seed, bias=not args.no_fc_bias)
+    state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0, "wall_time": 0.0, "commands": []}
+    if ckpt is not None:
+        head = load_head(ckpt / "head", target.args)  # ValueError (one line) if it does not fit the target
+        saved = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        if saved.get("data_fingerprint") != data_fp:
+            raise ValueError(f"the checkpoint in {out} was trained on other data: resume with the same "
+                             "--data/--max-conversations/--max-len/--features-dir/--seed/--held-out")
+        if saved.get("micro_batches_per_step") != per_step:
+            raise ValueError(f"the checkpoint used {saved.get('micro_batches_per_step')} micro-batches per step "
+                             f"(processes x grad-accum), this run {per_step}")
+        state.update({k: saved[k] for k in state})
+    head = head.to(device=device, dtype=torch.float32).train()
+    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    if ckpt is not None:
+        opt.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng_cpu"])
+        log(f"resumed from {ckpt} at step {state['step']} (epoch {state['epoch'] + 1}, step {state['step_in_epoch']})")
+    state["commands"] = list(state["commands"]) + [args.command]
+
+    model = head
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None)
+    if device.type == "cuda":
+        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    else:
+        autocast = contextlib.nullcontext
+    extra = {"eaglespec": {"target": args.model or "default", "data": data_desc}}
+
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in ("train_log.jsonl", "metrics.jsonl"):  # steps after the checkpoint are about to be redone
+            trim_log(out / name, state["step"])
+    train_log = open(out / "train_log.jsonl", "a") if rank == 0 else None
+    metrics_log = open(out / "metrics.jsonl", "a") if rank == 0 else None
+    last_eval: dict = {}
+    marks = {"eval": None, "save": state["step"] if ckpt is not None else None}  # steps last evaluated / saved
+
+    def run_eval(tag: str):
+        nonlocal last_eval
+        marks["eval"] = state["step"]
+        sums = evaluate(head, target, eval_src, eval_batches, weights, autocast)
+        if world > 1:
+            import torch.distributed as dist
+            dist.all_reduce(sums)
+        if rank == 0 and eval_rows:
+            last_eval = {"step": state["step"], "epoch": state["epoch"], "at": tag, **eval_metrics(sums)}
+            metrics_log.write(json.dumps(last_eval) + "\n")
+            metrics_log.flush()
+            bar.write(f"eval @ step {state['step']}: top1 {last_eval['top1']:.3f} top3 {last_eval['top3']:.3f} "
+                      + " ".join(f"d{k} {last_eval[f'top1_depth{k}']:.3f}" for k in range(2, EVAL_DEPTHS + 1))
+                      + f" loss {last_eval['loss']:.4f}")
+
+    def save():
+        marks["save"] = state["step"]
+        state["wall_time"] = wall_before + (time.perf_counter() - session_start)
+        if rank == 0:
+            save_checkpoint(out, head, opt, {**state, "data_fingerprint": data_fp,
+                                             "micro_batches_per_step": per_step}, extra)
+
+    wall_before = state["wall_time"]
+    session_start = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=min(state["step"], total_steps), unit="step", desc="train",
+               disable=rank != 0, dynamic_ncols=True)
+    session_tokens = 0
+    def train_step(epoch: int, micro) -> tuple[torch.Tensor, float]:
+        stats = torch.zeros(7, dtype=torch.float64)  # loss, feat, ce, top1, top3, n, tokens
+        for j, (number, b) in enumerate(micro):
+            ids, amask, feats = train_src.batch(b)
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch * 10_000_019 + number)
+            sync = model.no_sync() if world > 1 and j < len(micro) - 1 else contextlib.nullcontext()
+            with sync:
+                loss, s = batch_loss(model, target, ids, amask, feats, noise=args.noise, weights=weights,
+                                     generator=gen, autocast=autocast)
+                (loss / args.grad_accum).backward()
+            stats += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
+                                   sum(train_src.lengths[i] for i in b)], dtype=torch.float64)
+        grad_norm = clip_gradients(head.parameters(), args.clip, args.clip_mode)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            import torch.distributed as dist
+            dist.all_reduce(stats)
+        return stats, grad_norm
+
+    for epoch in range(state["epoch"], args.epochs):
+        state["epoch"] = epoch
+        for step_in_epoch in range(state["step_in_epoch"], steps_per_epoch[epoch]):
+            if state["step"] >= total_steps:
+                break
+            lr = lr_at(state["step"], args.lr, args.warmup_steps, total_steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            stats, grad_norm = train_step(epoch, rank_batches(epoch_batches[epoch], step_in_epoch, rank, world,
+                                                              args.grad_accum))
+            state["step"] += 1
+            state["step_in_epoch"] = step_in_epoch + 1
+            state["tokens_seen"] += int(stats[6])
+            session_tokens += int(stats[6])
+            rate = session_tokens / max(time.perf_counter() - session_start, 1e-9)
+            if rank == 0:
+                rec = {"step": state["step"], "epoch": epoch, "lr": lr, "loss": float(stats[0]) / per_step,
+                       "feature_loss": float(stats[1]) / per_step, "ce_loss": float(stats[2]) / per_step,
+                       "top1": float(stats[3]) / max(float(stats[5]), 1) if weights[1] else None,
+                       "grad_norm": grad_norm, "tokens": int(stats[6]), "tokens_seen": state["tokens_seen"],
+                       "tok_s": round(rate, 1), "time": round(wall_before + time.perf_counter() - session_start, 2)}
+                train_log.write(json.dumps(rec) + "\n")
+                train_log.flush()
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", top1=f"{rec['top1']:.3f}" if weights[1] else "-",
+                                lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", refresh=False)
+                bar.update(1)
+            if state["step_in_epoch"] == steps_per_epoch[epoch]:
+                state["epoch"], state["step_in_epoch"] = epoch + 1, 0
+                run_eval("epoch")
+                save()
+            else:
+                if args.eval_every and state["step"] % args.eval_every == 0:
+                    run_eval("step")
+                if args.save_every and state["step"] % args.save_every == 0:
+                    save()
+            if args.stop_after and state["step"] >= args.stop_after:
+                bar.close()
+                log(f"stopping after step {state['step']} as asked (--stop-after), without a final save")
+                return 0
+        if state["step"] >= total_steps:
+            break
+    if marks["eval"] != state["step"]:  # stopped mid-epoch by --max-steps, or nothing left to run
+        run_eval("end")
+    if marks["save"] != state["step"]:
+        save()
+    bar.close()
+    state["wall_time"] = wall_before + (time.perf_counter() - session_start)
+    if os.environ.get("EAGLESPEC_TEST_CHECKSUM_DIR"):  # tests: does every rank hold the same weights?
+        write_checksum(Path(os.environ["EAGLESPEC_TEST_CHECKSUM_DIR"]), head, rank, state["step"])
+    if rank == 0:
+        write_card(out, state, data_desc, data_summary, last_eval, total_steps, args, weights, train_rows, held_rows,
+                   eval_rows, train_tokens, world)
+        log(f"done: {state['step']} steps, {state['tokens_seen']:,} tokens, {state['wall_time']:.0f} s; head in {out / 'head'}")
+    return 0
+
+
+def trim_log(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def write_checksum(folder: Path, head: EagleHead, rank: int, step: int) -> None:
+    import hashlib
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = head.state_dict()
+    digest = hashlib.sha256(b"".join(sd[k].detach().cpu().float().numpy().tobytes() for k in sorted(sd))).hexdigest()
+    sums = {k: float(sd[k].double().sum()) for k in sorted(sd)}
+    (folder / f"rank{rank}.json").write_text(json.dumps({"step": step, "sha256": digest, "sums": sums}))
+
+
+def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args, weights, train_rows, held_rows,
+               eval_rows, train_tokens, world) -> None:
+    lines = [
+        "# EAGLE draft head — training card", "",
+        f"- Target: {args.model or 'default (SmolLM2-135M-Instruct)'}",
+        f"- Data: {data_desc}",
+        f"- Loaded: {data_summary.removeprefix('data: ')}",
+        f"- Split: {len(train_rows):,} train conversations ({train_tokens:,} tokens), {len(held_rows):,} held out "
+        f"(fraction {args.held_out}, seed {args.seed}); {len(eval_rows)} evaluated",
+        f"- Steps: {state['step']:,} of {total_steps:,} ({args.epochs} epoch(s), {world} process(es) x grad-accum "
+        f"{args.grad_accum}, <= {args.batch_tokens} padded tokens per micro-batch)",
+        f"- Tokens seen: {state['tokens_seen']:,}",
+        f"- Wall time: {state['wall_time'] / 60:.1f} min (all sessions)",
+        f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
+        f"noise U(-{args.noise}, {args.noise}) (not length-scaled)",
+        f"- Optimiser: AdamW lr {args.lr}, betas (0.9, 0.95), weight decay {args.weight_decay}, warm-up "
+        f"{args.warmup_steps} steps then linear decay; clip by {args.clip_mode} {args.clip}",
+        "", "## Held-out accuracy (against the target's argmax)", "",
+    ]
+    if ev:
+        lines += [f"Measured at step {ev['step']} on {ev['tokens']:,} assistant positions.", "",
+                  "| top-1 | top-3 | " + " | ".join(f"top-1 at depth {k}" for k in range(2, EVAL_DEPTHS + 1)) + " | loss |",
+                  "|---|---|" + "---|" * (EVAL_DEPTHS - 1) + "---|",
+                  f"| {ev['top1']:.3f} | {ev['top3']:.3f} | "
+                  + " | ".join(f"{ev[f'top1_depth{k}']:.3f}" for k in range(2, EVAL_DEPTHS + 1)) + f" | {ev['loss']:.4f} |",
+                  "", "Depth k: the head drafts k steps from a true feature, fed its own predicted features and the "
+                  "real tokens; its k-th prediction is compared with the target's argmax there."]
+    else:
+        lines.append("No held-out evaluation (no held-out conversations).")
+    lines += ["", "## Command(s)", ""] + [f"    {c}" for c in state["commands"]]
+    (out / "card.md").write_text("\n".join(lines) + "\n")

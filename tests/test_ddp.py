@@ -1,0 +1,54 @@
+"""Data-parallel training: `torchrun --nproc_per_node 2` (gloo, 2 CPU processes) on a tiny model.
+
+Both ranks must end with identical weights, and the run must match one process with --grad-accum 2:
+step s of the 2-process run uses micro-batches 2s (rank 0) and 2s+1 (rank 1), each with the noise
+seeded by its global micro-batch number, and DDP averages the two gradients -- exactly what one
+process accumulating micro-batches 2s and 2s+1 with loss / 2 computes (up to float summation order).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglespec.cli import main
+from eaglespec.testing import make_tiny_checkpoint
+
+from test_train import write_chats
+
+
+def test_two_process_ddp_matches_one_process_with_grad_accum(tmp_path):
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    chats = write_chats(tmp_path / "chats.jsonl", n=40)
+    common = ["--model", str(tiny), "--data", str(chats), "--batch-tokens", "256", "--lr", "2e-3", "--warmup-steps", "1",
+              "--max-steps", "4", "--seed", "2", "--device", "cpu", "--eval-conversations", "2"]
+    env = {**os.environ, "EAGLESPEC_TEST_CHECKSUM_DIR": str(tmp_path / "ddp_sums"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "eaglespec.cli", "train", *common, "--out", str(tmp_path / "ddp")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    r0, r1 = (json.loads((tmp_path / "ddp_sums" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 4
+    assert r0["sha256"] == r1["sha256"]  # bit-identical weights on both ranks
+
+    os.environ["EAGLESPEC_TEST_CHECKSUM_DIR"] = str(tmp_path / "single_sums")
+    try:
+        assert main(["train", *common, "--grad-accum", "2", "--out", str(tmp_path / "single")]) == 0
+    finally:
+        del os.environ["EAGLESPEC_TEST_CHECKSUM_DIR"]
+    ddp_log = [json.loads(x) for x in (tmp_path / "ddp" / "train_log.jsonl").read_text().splitlines()]
+    one_log = [json.loads(x) for x in (tmp_path / "single" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in ddp_log] == [r["step"] for r in one_log] == [1, 2, 3, 4]
+    for a, b in zip(ddp_log, one_log):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["tokens"] == b["tokens"]
+    a = load_file(str(tmp_path / "ddp" / "head" / "model.safetensors"))
+    b = load_file(str(tmp_path / "single" / "head" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    card = (tmp_path / "ddp" / "card.md").read_text()
+    assert "torchrun --nproc_per_node 2" in card and "2 process(es)" in card

@@ -1,0 +1,273 @@
+"""`eaglespec train` / `eaglespec features` on tiny models: the objective's maths, the unrolled
+evaluation against real drafting, learning, checkpoints, resume, precomputed features, bad input."""
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from eaglespec.cli import main
+from eaglespec.head import load_head, random_head
+from eaglespec.loading import load_target, load_tokenizer
+from eaglespec.testing import make_tiny_checkpoint
+from eaglespec.train import SoftCrossEntropy, batch_loss, shift_inputs, unrolled_predictions
+
+WORDS = ("the quick brown fox jumps over a lazy dog while speculative decoding drafts tokens cheaply and the "
+         "target model verifies them").split()
+
+
+def write_chats(path, n=48, seed=0):
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            u = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10)))
+            a = " ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 30)))
+            if i % 2:
+                rec = {"messages": [{"role": "user", "content": u}, {"role": "assistant", "content": a}]}
+            else:
+                rec = {"id": f"chat{i}_0", "conversations": [{"from": "human", "value": u}, {"from": "gpt", "value": a},
+                                                            {"from": "human", "value": "and then?"},
+                                                            {"from": "gpt", "value": a[::-1]}]}
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    return write_chats(tmp_path_factory.mktemp("data") / "chats.jsonl")
+
+
+@pytest.fixture(scope="module")
+def target(tiny):
+    model, _ = load_target(str(tiny), device="cpu")
+    return model
+
+
+def cli(*argv) -> int:
+    return main([str(a) for a in argv])
+
+
+def common(tiny, chats, out, *extra):
+    return ["train", "--model", tiny, "--data", chats, "--out", out, "--batch-tokens", 384, "--lr", 2e-3,
+            "--warmup-steps", 2, "--seed", 1, *extra]
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+# ---- maths -------------------------------------------------------------------------------------------
+
+def test_soft_cross_entropy_matches_autograd(monkeypatch):
+    import eaglespec.train as tr
+    monkeypatch.setattr(tr, "CE_CHUNK", 7)  # several chunks
+    torch.manual_seed(0)
+    w = torch.randn(50, 16)
+    pred = torch.randn(20, 16, requires_grad=True)
+    tgt = torch.randn(20, 16)
+    loss, hits = SoftCrossEntropy.apply(pred, tgt, w)
+    loss.backward()
+    ref_pred = pred.detach().clone().requires_grad_()
+    p = torch.softmax(tgt @ w.T, -1)
+    ref = -(p * torch.log_softmax(ref_pred @ w.T, -1)).sum(-1).mean()
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-5)
+    assert torch.allclose(pred.grad, ref_pred.grad, atol=1e-6)
+    best = (tgt @ w.T).argmax(-1)
+    top = (pred @ w.T).topk(3, -1).indices
+    assert int(hits[0]) == int((top[:, 0] == best).sum())
+    assert int(hits[1]) == int((top == best[:, None]).any(-1).sum())
+
+
+def test_shift_inputs_masks_by_the_fed_token():
+    ids = torch.tensor([[5, 6, 7, 8, 0]])
+    amask = torch.tensor([[False, False, True, True, False]])  # right-padded: last is a pad
+    feats = torch.arange(5.0)[None, :, None].expand(1, 5, 2)
+    tok_in, counted, target = shift_inputs(ids, amask, feats)
+    assert tok_in.tolist() == [[6, 7, 8, 0, 0]]
+    assert counted.tolist() == [[False, True, True, False, False]]
+    assert target[0, :, 0].tolist() == [1, 2, 3, 4, 0]
+
+
+def test_unrolled_predictions_match_drafting_with_the_cache(target):
+    """Step k of the parallel unroll at position p == a k-step chain drafted through the head's KV cache."""
+    head = random_head(target.args, seed=3).eval()
+    torch.manual_seed(0)
+    t = 12
+    ids = torch.randint(3, target.args.vocab_size, (1, t))
+    with torch.no_grad():
+        feats, _ = target(ids, torch.arange(t)[None], logits=False)
+        tok_in = F.pad(ids[:, 1:], (0, 1))
+        embeds = target.embed_tokens(tok_in)
+        outs = unrolled_predictions(head, embeds, feats, 4)
+        direct = head(embeds, feats, torch.arange(t)[None])
+        assert torch.allclose(outs[0], direct, atol=1e-5)
+        for k in (2, 3, 4):
+            for p in (k - 1, 7, t - 2):
+                start = p - k + 1  # the chain's first step sits here, on the true feature f_start
+                head.setup_cache(64)
+                h = head(embeds[:, : start + 1], feats[:, : start + 1], torch.arange(start + 1)[None], cache_start=0)
+                fed = h[:, -1:]
+                for i in range(2, k + 1):
+                    pos = start + i - 1
+                    fed = head(embeds[:, pos:pos + 1], fed, torch.tensor([[pos]]), cache_start=pos)
+                assert torch.allclose(outs[k - 1][0, p], fed[0, 0], atol=1e-5), (k, p)
+
+
+def test_a_few_steps_on_a_fixed_batch_reduce_the_loss(target, tiny):
+    tok = load_tokenizer(tiny)
+    from eaglespec.data import encode_conversation
+    from eaglespec.features import pad_batch, target_features
+    convs = [[{"role": "user", "content": "add two numbers"}, {"role": "assistant", "content": "def add(a, b): return a + b"}],
+             [{"role": "user", "content": "a fox?"}, {"role": "assistant", "content": "The quick brown fox jumps."}]]
+    enc = [encode_conversation(tok, c, 64) for c in convs]
+    ids = pad_batch([e[0] for e in enc])
+    amask = pad_batch([e[1] for e in enc], False, torch.bool)
+    with torch.no_grad():
+        feats = target_features(target, ids)
+    head = random_head(target.args, seed=0)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    losses = []
+    for _ in range(8):
+        loss, stats = batch_loss(head, target, ids, amask, feats, noise=0.0, weights=(1.0, 0.1), generator=None,
+                                 autocast=contextlib.nullcontext)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(stats["loss"])
+    assert stats["n"] == int(amask[:, 1:].sum())
+    assert losses[-1] < 0.9 * losses[0], losses
+
+
+# ---- the command --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tiny, chats, tmp_path_factory):
+    """One complete in-loop run: 2 epochs, evaluation every 4 steps, checkpoints every 3."""
+    out = tmp_path_factory.mktemp("run") / "out"
+    assert cli(*common(tiny, chats, out, "--epochs", 2, "--eval-every", 4, "--save-every", 3)) == 0
+    return out
+
+
+def test_train_writes_the_documented_layout(trained):
+    for name in ("head/config.json", "head/model.safetensors", "checkpoint/state.pt", "checkpoint/head/model.safetensors",
+                 "metrics.jsonl", "train_log.jsonl", "card.md"):
+        assert (trained / name).is_file(), name
+    log = read_jsonl(trained / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(1, len(log) + 1))
+    epochs = [r["epoch"] for r in log]
+    assert epochs == sorted(epochs) and epochs[0] == 0 and epochs[-1] == 1
+    assert {"loss", "feature_loss", "ce_loss", "lr", "tok_s", "tokens_seen"} <= set(log[0])
+    metrics = read_jsonl(trained / "metrics.jsonl")
+    assert {m["at"] for m in metrics} >= {"step", "epoch"}
+    assert {"top1", "top3", "top1_depth2", "top1_depth3", "top1_depth4", "tokens"} <= set(metrics[-1])
+    assert metrics[-1]["tokens"] > 0 and 0 <= metrics[-1]["top1"] <= metrics[-1]["top3"] <= 1
+    assert metrics[-1]["loss"] < metrics[0]["loss"]  # it learns on held-out data too
+    card = (trained / "card.md").read_text()
+    assert "Tokens seen" in card and "top-1 at depth 4" in card and "eaglespec train" in card
+    state = torch.load(trained / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == log[-1]["step"] and state["epoch"] == 2
+
+
+def test_saved_head_loads_and_drafts_identically(trained, tiny):
+    from eaglespec.engine import Engine
+    loaded = Engine.load(str(tiny), head=str(trained / "head"), device="cpu")
+    model, _ = load_target(str(tiny), device="cpu")
+    head = load_head(trained / "checkpoint" / "head", model.args)
+    sd = load_file(str(trained / "head" / "model.safetensors"))
+    assert all(torch.equal(sd[k], v) for k, v in head.state_dict().items())
+    direct = Engine(model, load_tokenizer(tiny), head.eval().requires_grad_(False))
+    msgs = [{"role": "user", "content": "the quick brown fox"}]
+    a = loaded.generate(messages=msgs, max_new_tokens=24, ignore_eos=True)
+    b = direct.generate(messages=msgs, max_new_tokens=24, ignore_eos=True)
+    assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths
+
+
+def test_resume_after_a_kill_continues_on_the_same_curve(tiny, chats, tmp_path, trained):
+    out = tmp_path / "killed"
+    args = common(tiny, chats, out, "--epochs", 2, "--eval-every", 4, "--save-every", 3)
+    assert cli(*args, "--stop-after", 5) == 0  # dies after step 5; the last checkpoint is step 3
+    first = read_jsonl(out / "train_log.jsonl")
+    assert first[-1]["step"] == 5
+    assert cli(*args) == 2  # an existing run is never overwritten without --resume
+    assert cli(*args, "--resume") == 0
+    log = read_jsonl(out / "train_log.jsonl")  # steps 4 and 5 were redone from the checkpoint and logged once
+    ref = read_jsonl(trained / "train_log.jsonl")
+    assert [r["step"] for r in log] == [r["step"] for r in ref]
+    for r, s in zip(first + log[5:], ref):
+        assert r["loss"] == pytest.approx(s["loss"], rel=1e-5, abs=1e-6), r["step"]
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [m["step"] for m in read_jsonl(trained / "metrics.jsonl")]
+    a = load_file(str(out / "head" / "model.safetensors"))
+    b = load_file(str(trained / "head" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_features_then_train_from_disk(tiny, chats, tmp_path, trained):
+    feats = tmp_path / "feats"
+    argv = ["features", "--model", tiny, "--data", chats, "--out", feats, "--shard-size", 10, "--batch-tokens", 512]
+    assert cli(*argv) == 0
+    manifest = json.loads((feats / "manifest.json").read_text())
+    assert manifest["complete"] and len(manifest["shards"]) == 5 and manifest["n_conversations"] == 48
+    shard = load_file(str(feats / "shard-00001.safetensors"))
+    assert shard["features"].dtype == torch.float16 and shard["features"].shape == (shard["input_ids"].numel(), 64)
+    assert shard["offsets"][-1] == shard["input_ids"].numel() == manifest["shards"][1]["tokens"]
+    # the stored features are the target's
+    model, _ = load_target(str(tiny), device="cpu")
+    a, b = int(shard["offsets"][0]), int(shard["offsets"][1])
+    with torch.no_grad():
+        f, _ = model(shard["input_ids"][a:b].long()[None], torch.arange(b - a)[None], logits=False)
+    assert torch.allclose(shard["features"][a:b].float(), f[0], atol=2e-2)
+    # an interrupted run resumes: a missing shard is recomputed, the others are kept
+    before = (feats / "shard-00000.safetensors").stat().st_mtime_ns
+    (feats / "shard-00003.safetensors").unlink()
+    assert cli(*argv) == 0
+    assert (feats / "shard-00003.safetensors").is_file()
+    assert (feats / "shard-00000.safetensors").stat().st_mtime_ns == before
+    assert torch.equal(load_file(str(feats / "shard-00001.safetensors"))["features"], shard["features"])
+    # other settings into the same folder are refused
+    assert cli(*argv[:-2], "--max-len", 32) == 2
+    # training from disk follows the in-loop curve (fp16 features: close, not equal)
+    out = tmp_path / "from_disk"
+    assert cli("train", "--features-dir", feats, "--out", out, "--batch-tokens", 384, "--lr", 2e-3, "--warmup-steps", 2,
+               "--seed", 1, "--epochs", 2, "--model", tiny) == 0
+    ours, ref = read_jsonl(out / "train_log.jsonl"), read_jsonl(trained / "train_log.jsonl")
+    assert len(ours) == len(ref)
+    for r, s in zip(ours, ref):
+        assert r["loss"] == pytest.approx(s["loss"], rel=2e-2)
+
+
+# ---- bad input: one line, exit 2, no traceback --------------------------------------------------------
+
+def one_line_error(capsys, *argv) -> str:
+    rc = cli(*argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err and err[-1].startswith("eaglespec: error:") and "Traceback" not in "\n".join(err)
+    return err[-1]
+
+
+def test_bad_input_gives_one_line_errors(tiny, chats, tmp_path, trained, capsys):
+    msg = one_line_error(capsys, "train", "--model", tiny, "--data", tmp_path / "nope.jsonl", "--out", tmp_path / "o1")
+    assert "not found" in msg
+    (tmp_path / "empty.jsonl").write_text("\n")
+    assert "no usable conversations" in one_line_error(capsys, "train", "--model", tiny, "--data",
+                                                       tmp_path / "empty.jsonl", "--out", tmp_path / "o2")
+    assert "no features" in one_line_error(capsys, "train", "--model", tiny, "--features-dir", tmp_path / "nofeats",
+                                           "--out", tmp_path / "o3")
+    assert "--lr" in one_line_error(capsys, *common(tiny, chats, tmp_path / "o4"), "--lr", -1)
+    # resuming with a target the checkpoint's head does not fit
+    other = make_tiny_checkpoint(tmp_path / "wide", hidden_size=96)
+    out = tmp_path / "o5"
+    for p in ("checkpoint", "head"):
+        __import__("shutil").copytree(trained / p, out / p)
+    msg = one_line_error(capsys, *common(other, chats, out), "--epochs", 2, "--resume")
+    assert "does not fit the target" in msg and "hidden_size" in msg

@@ -9,7 +9,7 @@ import sys
 
 # subcommand modules; each has add_cli(subparsers) that sets `func` on its parser
 SUBCOMMAND_MODULES = ("eaglespec.generate_cli", "eaglespec.features", "eaglespec.train", "eaglespec.bench",
-                      "eaglespec.serve", "eaglespec.export")
+                      "eaglespec.serve")
 
 
 def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
@@ -23,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="torch.compile the decoding steps (slow start, faster decoding; CPU: ~1 min)")
+                   help="experimental: torch.compile the decode and verify steps (minutes of compiling first)")
     t = p.add_argument_group("draft tree")
     t.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
     t.add_argument("--top-k-draft", type=int, default=None, help="children per expanded node (dynamic)")

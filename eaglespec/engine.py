@@ -81,6 +81,8 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.compiled = compile
+        draft_ids = head.draft_ids if head is not None else None
+        self._draft_weight = model.lm_head.weight if draft_ids is None else model.lm_head.weight[draft_ids].contiguous()
         if compile:
             from .compiled import CompiledForward
             # one cache for the engine's life: a compiled graph must not see its buffers replaced
@@ -161,7 +163,7 @@ class Engine:
         return self.head(token_embeds, features, positions, mask=mask, cache_start=cache_start)
 
     def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.model.lm_head(features).float(), dim=-1)
+        return torch.log_softmax((features @ self._draft_weight.T).float(), dim=-1)
 
     def _prefill(self, ids: list[int], timers: _Timers):
         t0 = time.perf_counter()
@@ -191,7 +193,7 @@ class Engine:
         if self.head is None:
             raise ValueError("method 'eagle' needs a draft head")
         model, dev = self.model, self.device
-        drafter = Drafter(self._head, model.embed_tokens, self._draft_logprobs, self.tree)
+        drafter = Drafter(self._head, model.embed_tokens, self._draft_logprobs, self.tree, self.head.draft_ids)
         feats, logits = self._prefill(ids, timers)
         root = next_token(logits, params, gen)
         yield [root]

@@ -156,9 +156,9 @@ def run_features(args) -> int:
     }
     out.mkdir(parents=True, exist_ok=True)
     check_resumable(out, manifest)
+    done = [shard_matches(out / shard_name(i), s) for i, s in enumerate(shards)]
     write_json(out / "manifest.json", manifest)
 
-    done = [(out / shard_name(i)).is_file() for i in range(len(shards))]
     total = manifest["n_tokens"]
     initial = sum(s["tokens"] for s, d in zip(manifest["shards"], done) if d)
     if any(done):
@@ -202,8 +202,20 @@ def run_features(args) -> int:
     return 0
 
 
-RESUME_KEYS = ("model_fingerprint", "data", "max_conversations", "max_len", "feature_dtype", "shard_size",
-               "n_conversations", "n_tokens")
+# A rerun with a larger --max-conversations keeps every finished shard that holds the same conversations.
+RESUME_KEYS = ("model_fingerprint", "data", "max_len", "feature_dtype", "shard_size")
+
+
+def shard_matches(path: Path, shard: list[Example]) -> bool:
+    """A finished shard file that holds exactly these conversations (so it need not be recomputed)."""
+    if not path.is_file():
+        return False
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads(f.metadata()["keys"]) == [e.key for e in shard]
+    except Exception:  # a damaged shard is recomputed
+        return False
 
 
 def check_resumable(out: Path, manifest: dict) -> None:
@@ -264,6 +276,12 @@ class FeatureStore:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (T,) long and assistant mask (T,) bool, without reading the features."""
+        f, a, b = self.rows[i]
+        h = self.files[f]
+        return h.get_slice("input_ids")[a:b].long(), h.get_slice("loss_mask")[a:b].bool()
 
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ids (T,) long, assistant mask (T,) bool, features (T, H) in the stored dtype."""

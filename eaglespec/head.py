@@ -4,6 +4,10 @@ The head owns no embedding and no LM head: it borrows the target's, frozen. Its 
 config.json follow the released EAGLE heads (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...,
 LlamaConfig with `num_hidden_layers: 1` and `bias`), so official heads load unchanged and ours load
 in vLLM / SGLang.
+
+A head may draft from a reduced vocabulary (EAGLE-3's `d2t`/`t2d` buffers): the LM head rows of the
+most frequent tokens only. On a CPU the draft LM head is most of a draft step's cost. Which tokens are
+drafted never affects the output: verification only needs candidate tokens, not their probabilities.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ def head_args(target: ModelArgs) -> ModelArgs:
 
 
 class EagleHead(nn.Module):
-    def __init__(self, args: ModelArgs, bias: bool = True):
+    def __init__(self, args: ModelArgs, bias: bool = True, draft_vocab: torch.Tensor | None = None):
+        """draft_vocab: the target token ids the head drafts from, ascending (None: all of them)."""
         super().__init__()
         self.args = args
         self.bias = bias
@@ -34,6 +39,18 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(args, 0, input_norm=False)])
         self.rotary = Rotary(args)
         self.cache: KVCache | None = None
+        if draft_vocab is not None:
+            ids = check_draft_vocab(torch.as_tensor(draft_vocab, dtype=torch.long), args.vocab_size)
+            self.register_buffer("d2t", ids - torch.arange(ids.numel()))  # EAGLE-3: target id = index + d2t
+            t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
+            t2d[ids] = True
+            self.register_buffer("t2d", t2d)
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids of the draft vocabulary, or None when the head drafts from the whole vocabulary."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else d2t + torch.arange(d2t.numel(), device=d2t.device)
 
     def setup_cache(self, max_len: int, batch: int = 1):
         w = self.fc.weight
@@ -74,22 +91,34 @@ class EagleHead(nn.Module):
             "qkv_bias": a.qkv_bias,
             "tie_word_embeddings": False,
             "torch_dtype": "float32",
+            **({"draft_vocab_size": int(self.d2t.numel())} if self.draft_ids is not None else {}),
         }
 
     def save(self, folder: str | Path, extra_config: dict | None = None) -> None:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().float().cpu().contiguous() for k, v in self.state_dict().items()}
+        sd = {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().contiguous()
+              for k, v in self.state_dict().items()}
         tmp = folder / "model.safetensors.tmp"
         save_file(sd, str(tmp), metadata={"format": "pt"})
         tmp.replace(folder / "model.safetensors")
         (folder / "config.json").write_text(json.dumps({**self.hf_config(), **(extra_config or {})}, indent=2))
 
 
-def random_head(target: ModelArgs, seed: int = 0, bias: bool = True) -> EagleHead:
+def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise ValueError("a draft vocabulary must be a non-empty list of token ids")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must be in [0, {vocab_size}) (the target's vocabulary)")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary ids must be strictly increasing")
+    return ids
+
+
+def random_head(target: ModelArgs, seed: int = 0, bias: bool = True, draft_vocab=None) -> EagleHead:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return EagleHead(head_args(target), bias=bias)
+        return EagleHead(head_args(target), bias=bias, draft_vocab=draft_vocab)
 
 
 def load_head(path: str | Path, target: ModelArgs) -> EagleHead:
@@ -122,7 +151,16 @@ def load_head(path: str | Path, target: ModelArgs) -> EagleHead:
         rope_theta=float(cfg.get("rope_theta", args.rope_theta)),
         qkv_bias="layers.0.self_attn.q_proj.bias" in sd,
     )
-    head = EagleHead(args, bias="fc.bias" in sd)
+    draft_vocab = None
+    if "d2t" in sd:
+        d2t = sd["d2t"].long()
+        draft_vocab = d2t + torch.arange(d2t.numel())
+        try:
+            check_draft_vocab(draft_vocab, target.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"head {path} does not fit the target: {e}") from None
+        sd.setdefault("t2d", torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, draft_vocab, True))
+    head = EagleHead(args, bias="fc.bias" in sd, draft_vocab=draft_vocab)
     expected = set(head.state_dict().keys())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:

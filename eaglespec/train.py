@@ -55,6 +55,9 @@ def add_cli(sub) -> None:
     o.add_argument("--loss-weights", default=None, metavar="F,C", help="shorthand for --feature-weight F --ce-weight C")
     o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features")
     o.add_argument("--no-fc-bias", action="store_true", help="fc without bias (as the LLaMA3 heads; vLLM drops it)")
+    o.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft from the N most frequent assistant tokens of the training data (EAGLE-3's d2t); "
+                        "cheaper training and drafting, same output (0 = the whole vocabulary)")
     t = p.add_argument_group("optimisation")
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--weight-decay", type=float, default=0.0)
@@ -93,24 +96,30 @@ def _logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.to(weight.dtype) @ weight.T).float()
 
 
-def soft_ce(pred, target, weight, want_grad: bool = True):
+def soft_ce(pred, target, weight, want_grad: bool = True, draft_ids=None, full_weight=None):
     """mean over rows of -sum_v p(v) log q(v), q = softmax(pred W^T), p = softmax(target W^T), W frozen.
 
-    Walks the rows in chunks, so the rows x vocab logits never exist all at once, and forms
-    d loss / d pred on the way (no recomputation in backward). Returns the loss, top-1/top-3 hits of
-    q's ranking against p's argmax, that argmax, and the gradient (None unless asked)."""
+    W holds the LM head rows of the draft vocabulary (`draft_ids`; None: the whole vocabulary), so p is
+    the target's distribution renormalised over it (as EAGLE-3). Walks the rows in chunks, so the rows x
+    vocab logits never exist all at once, and forms d loss / d pred on the way (no recomputation in
+    backward). Returns the loss, top-1/top-3 hits of q's ranking against the target's argmax (over the
+    whole vocabulary when `full_weight` is given, else over W's), that argmax, and the gradient."""
     n = pred.shape[0]
     loss = torch.zeros((), dtype=torch.float32, device=pred.device)
     hits = torch.zeros(2, dtype=torch.long, device=pred.device)
     grad = torch.empty(pred.shape, dtype=torch.float32, device=pred.device) if want_grad else None
     best = torch.empty(n, dtype=torch.long, device=pred.device)
     k = min(3, weight.shape[0])
+    to_target = (lambda i: i) if draft_ids is None else (lambda i: draft_ids[i])
     for s in range(0, n, CE_CHUNK):
         zq, zp = _logits(pred[s:s + CE_CHUNK], weight), _logits(target[s:s + CE_CHUNK], weight)
         logq, p = torch.log_softmax(zq, -1), torch.softmax(zp, -1)
         loss -= (p * logq).sum()
-        best[s:s + CE_CHUNK] = zp.argmax(-1)
-        top = zq.topk(k, -1).indices
+        if full_weight is not None:
+            best[s:s + CE_CHUNK] = _logits(target[s:s + CE_CHUNK], full_weight).argmax(-1)
+        else:
+            best[s:s + CE_CHUNK] = to_target(zp.argmax(-1))
+        top = to_target(zq.topk(k, -1).indices)
         hits[0] += (top[:, 0] == best[s:s + CE_CHUNK]).sum()
         hits[1] += (top == best[s:s + CE_CHUNK, None]).any(-1).sum()
         if want_grad:  # d/dz of -sum p log softmax(z) is softmax(z) - p
@@ -123,8 +132,8 @@ class SoftCrossEntropy(torch.autograd.Function):
     """`soft_ce` as an autograd function of `pred`; also returns the (non-differentiable) hits."""
 
     @staticmethod
-    def forward(ctx, pred, target, weight):
-        loss, hits, _, grad = soft_ce(pred, target, weight)
+    def forward(ctx, pred, target, weight, draft_ids):
+        loss, hits, _, grad = soft_ce(pred, target, weight, draft_ids=draft_ids)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(hits)
         return loss, hits
@@ -132,7 +141,7 @@ class SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits):
         (grad,) = ctx.saved_tensors
-        return grad_loss * grad, None, None
+        return grad_loss * grad, None, None, None
 
 
 def shift_inputs(ids, amask, feats):
@@ -144,8 +153,9 @@ def shift_inputs(ids, amask, feats):
 
 
 def batch_loss(head, target_model, ids, amask, feats, *, noise: float, weights: tuple[float, float],
-               generator: torch.Generator | None, autocast) -> tuple[torch.Tensor, dict]:
-    """Loss of one micro-batch; `head` may be the DDP wrapper. Returns (loss, float statistics)."""
+               generator: torch.Generator | None, autocast, vocab=None) -> tuple[torch.Tensor, dict]:
+    """Loss of one micro-batch; `head` may be the DDP wrapper; `vocab`: (draft LM head rows, their ids)
+    or None for the whole vocabulary. Returns (loss, float statistics); top-1 is within the draft vocabulary."""
     tok_in, counted, target = shift_inputs(ids, amask, feats)
     feat_in = feats.float()
     if noise:
@@ -163,7 +173,8 @@ def batch_loss(head, target_model, ids, amask, feats, *, noise: float, weights: 
     p, t = pred[sel].float(), target[sel].float()
     feature_loss = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
     if weights[1]:
-        ce_loss, hits = SoftCrossEntropy.apply(p, t, target_model.lm_head.weight)
+        w, draft_ids = vocab or (target_model.lm_head.weight, None)
+        ce_loss, hits = SoftCrossEntropy.apply(p, t, w, draft_ids)
     else:  # the LM head passes are most of a step's cost on CPU: skip them when unused
         ce_loss, hits = torch.zeros(()), torch.full((2,), -1)
     loss = weights[0] * feature_loss + weights[1] * ce_loss
@@ -242,10 +253,12 @@ def unrolled_predictions(head: EagleHead, embeds: torch.Tensor, feats: torch.Ten
 
 @torch.no_grad()
 def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], weights, autocast,
-             depth: int = EVAL_DEPTHS) -> dict:
-    """Sums over `batches` of `source`: loss parts, top-1/top-3 at step 1, top-1 at steps 2..depth."""
+             depth: int = EVAL_DEPTHS, vocab=None) -> dict:
+    """Sums over `batches` of `source`: loss parts, top-1/top-3 at step 1, top-1 at steps 2..depth.
+    Accuracies are against the target's argmax over its whole vocabulary, whatever the draft vocabulary."""
     head.eval()
-    w = target_model.lm_head.weight
+    full = target_model.lm_head.weight
+    w, draft_ids = vocab or (full, None)
     sums = torch.zeros(5 + depth, dtype=torch.float64)  # loss, feat, ce, n, top3, top1 at each depth
     for b in batches:
         ids, amask, feats = source.batch(b)
@@ -258,7 +271,7 @@ def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], we
             continue
         p, t = outs[0][sel].float(), target[sel].float()
         fl = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
-        ce, hits, best, _ = soft_ce(p, t, w, want_grad=False)
+        ce, hits, best, _ = soft_ce(p, t, w, want_grad=False, draft_ids=draft_ids, full_weight=full)
         sums[0] += n * float(weights[0] * fl + weights[1] * ce)
         sums[1] += n * float(fl)
         sums[2] += n * float(ce)
@@ -271,6 +284,7 @@ def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], we
             pk = outs[k - 1][sel][valid].float()
             guess = torch.cat([_logits(pk[s:s + CE_CHUNK], w).argmax(-1) for s in range(0, pk.shape[0], CE_CHUNK)]) \
                 if pk.shape[0] else best[:0]
+            guess = guess if draft_ids is None else draft_ids[guess]
             sums[4 + k] += int((guess == best[valid]).sum())
             # positions too early for a k-step chain count as misses: the denominator stays n
     head.train()
@@ -405,11 +419,23 @@ def validate(args) -> None:
     check_positive(max_conversations=args.max_conversations, max_len=args.max_len, batch_tokens=args.batch_tokens,
                    epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
                    eval_conversations=args.eval_conversations)
-    for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps"):
+    for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps", "draft_vocab"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.held_out < 1:
         raise ValueError(f"--held-out must be in [0, 1), got {args.held_out}")
+
+
+def choose_draft_vocab(token_masks, n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The n most frequent assistant tokens (ties: lower id), ascending, and the share of assistant
+    tokens they cover. `token_masks` yields (ids, assistant mask) per conversation."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, mask in token_masks:
+        counts += torch.bincount(torch.as_tensor(ids)[torch.as_tensor(mask, dtype=torch.bool)], minlength=vocab_size)
+    n = min(n, vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:n]
+    ids = torch.tensor(sorted(order), dtype=torch.long)
+    return ids, float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
 
 def fingerprint_data(lengths: list[int], held: list[int]) -> str:
@@ -495,10 +521,20 @@ def _train(args, weights, rank: int, world: int) -> int:
         f"(evaluating {len(eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= {args.batch_tokens} "
         f"tokens; {world} process(es) on {device}")
 
-    head = random_head(target.args, seed=args.seed, bias=not args.no_fc_bias)
+    draft_vocab, coverage = None, 1.0
+    if args.draft_vocab and args.draft_vocab < target.args.vocab_size:
+        pairs = (store.tokens(r) for r in train_rows) if store is not None else \
+            ((examples[r].ids, examples[r].mask) for r in train_rows)
+        draft_vocab, coverage = choose_draft_vocab(pairs, args.draft_vocab, target.args.vocab_size)
+        log(f"draft vocabulary: {draft_vocab.numel():,} of {target.args.vocab_size:,} tokens, "
+            f"covering {coverage:.1%} of the training data's assistant tokens")
+    head = random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab)
     state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0, "wall_time": 0.0, "commands": []}
     if ckpt is not None:
         head = load_head(ckpt / "head", target.args)  # ValueError (one line) if it does not fit the target
+        had = head.draft_ids
+        if (had is None) != (draft_vocab is None) or (had is not None and not torch.equal(had, draft_vocab)):
+            raise ValueError(f"the checkpoint in {out} drafts from another vocabulary: resume with the same --draft-vocab")
         saved = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         if saved.get("data_fingerprint") != data_fp:
             raise ValueError(f"the checkpoint in {out} was trained on other data: resume with the same "
@@ -508,6 +544,8 @@ def _train(args, weights, rank: int, world: int) -> int:
                              f"(processes x grad-accum), this run {per_step}")
         state.update({k: saved[k] for k in state})
     head = head.to(device=device, dtype=torch.float32).train()
+    vocab = None if head.draft_ids is None else \
+        (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     if ckpt is not None:
         opt.load_state_dict(saved["optimizer"])
@@ -537,7 +575,7 @@ def _train(args, weights, rank: int, world: int) -> int:
     def run_eval(tag: str):
         nonlocal last_eval
         marks["eval"] = state["step"]
-        sums = evaluate(head, target, eval_src, eval_batches, weights, autocast)
+        sums = evaluate(head, target, eval_src, eval_batches, weights, autocast, vocab=vocab)
         if world > 1:
             import torch.distributed as dist
             dist.all_reduce(sums)
@@ -569,7 +607,7 @@ def _train(args, weights, rank: int, world: int) -> int:
             sync = model.no_sync() if world > 1 and j < len(micro) - 1 else contextlib.nullcontext()
             with sync:
                 loss, s = batch_loss(model, target, ids, amask, feats, noise=args.noise, weights=weights,
-                                     generator=gen, autocast=autocast)
+                                     generator=gen, autocast=autocast, vocab=vocab)
                 (loss / args.grad_accum).backward()
             stats += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
                                    sum(train_src.lengths[i] for i in b)], dtype=torch.float64)
@@ -632,7 +670,7 @@ def _train(args, weights, rank: int, world: int) -> int:
         write_checksum(Path(os.environ["EAGLESPEC_TEST_CHECKSUM_DIR"]), head, rank, state["step"])
     if rank == 0:
         write_card(out, state, data_desc, data_summary, last_eval, total_steps, args, weights, train_rows, held_rows,
-                   eval_rows, train_tokens, world)
+                   eval_rows, train_tokens, world, None if draft_vocab is None else (draft_vocab.numel(), coverage))
         log(f"done: {state['step']} steps, {state['tokens_seen']:,} tokens, {state['wall_time']:.0f} s; head in {out / 'head'}")
     return 0
 
@@ -654,7 +692,7 @@ def write_checksum(folder: Path, head: EagleHead, rank: int, step: int) -> None:
 
 
 def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args, weights, train_rows, held_rows,
-               eval_rows, train_tokens, world) -> None:
+               eval_rows, train_tokens, world, head_vocab=None) -> None:
     lines = [
         "# EAGLE draft head — training card", "",
         f"- Target: {args.model or 'default (SmolLM2-135M-Instruct)'}",
@@ -668,6 +706,9 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
         f"- Wall time: {state['wall_time'] / 60:.1f} min (all sessions)",
         f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
         f"noise U(-{args.noise}, {args.noise}) (not length-scaled)",
+        ("- Draft vocabulary: the whole vocabulary" if head_vocab is None else
+         f"- Draft vocabulary: {head_vocab[0]:,} most frequent assistant tokens (covering {head_vocab[1]:.1%} of the "
+         "training data's assistant tokens)"),
         f"- Optimiser: AdamW lr {args.lr}, betas (0.9, 0.95), weight decay {args.weight_decay}, warm-up "
         f"{args.warmup_steps} steps then linear decay; clip by {args.clip_mode} {args.clip}",
         "", "## Held-out accuracy (against the target's argmax)", "",

@@ -77,9 +77,17 @@ class Drafter:
     """Runs the head over a tree. Tree nodes occupy head-cache slots after `head_len` and are
     forgotten when the next round writes its accepted tokens there."""
 
-    def __init__(self, head: EagleHead, embed: torch.nn.Embedding, logprobs, config: TreeConfig):
-        """head: the head or its compiled call; logprobs: predicted features -> draft log-probabilities."""
+    def __init__(self, head: EagleHead, embed: torch.nn.Embedding, logprobs, config: TreeConfig,
+                 draft_ids: torch.Tensor | None = None):
+        """head: the head or its compiled call; logprobs: predicted features -> draft log-probabilities,
+        over `draft_ids` (target token ids) when the head drafts from a reduced vocabulary."""
         self.head, self.embed, self.logprobs, self.config = head, embed, logprobs, config
+        self.draft_ids = draft_ids
+
+    def _topk(self, features: torch.Tensor, k: int):
+        """(log-probs, target token ids) of the k most likely draft tokens for each row."""
+        values, idx = self.logprobs(features).topk(k)
+        return values, (idx if self.draft_ids is None else self.draft_ids[idx])
 
     def _expand(self, head_len: int, fed_parents: list[int], tokens: list[int], features: torch.Tensor,
                 depths: list[int]) -> torch.Tensor:
@@ -113,11 +121,10 @@ class Drafter:
         """EAGLE-2: expand the top_k frontier by cumulative log-prob; keep the best total_tokens nodes."""
         cfg = self.config
         k = cfg.top_k
-        lp = self.logprobs(root_feature[None])[0]
-        top = lp.topk(k)
+        values, ids = self._topk(root_feature[None], k)
         # every generated node: token, parent (node index, 0 = root), score, depth
         tokens, parents, scores, depths = [root_token], [-1], [0.0], [0]
-        tokens += top.indices.tolist(); parents += [0] * k; scores += top.values.tolist(); depths += [1] * k
+        tokens += ids[0].tolist(); parents += [0] * k; scores += values[0].tolist(); depths += [1] * k
         frontier = list(range(1, k + 1))
         fed_index = {}  # node index -> index among fed nodes
         frontier_feature = root_feature[None].expand(k, -1)
@@ -127,11 +134,11 @@ class Drafter:
                 fed_index[n] = self._n_fed + j
             out = self._expand(head_len, fed_parents, [tokens[n] for n in frontier], frontier_feature,
                                [d - 1] * len(frontier))
-            child = self.logprobs(out).topk(k)  # (|frontier|, k)
-            cum = child.values + torch.tensor([scores[n] for n in frontier], device=out.device)[:, None]
+            values, ids = self._topk(out, k)  # (|frontier|, k)
+            cum = values + torch.tensor([scores[n] for n in frontier], device=out.device)[:, None]
             best = cum.flatten().topk(k).indices.tolist()
             first_new = len(tokens)
-            flat_tok, flat_score = child.indices.flatten().tolist(), cum.flatten().tolist()
+            flat_tok, flat_score = ids.flatten().tolist(), cum.flatten().tolist()
             for j in range(len(frontier) * k):
                 tokens.append(flat_tok[j]); parents.append(frontier[j // k]); scores.append(flat_score[j]); depths.append(d)
             frontier = [first_new + j for j in best]
@@ -166,7 +173,7 @@ class Drafter:
                 for j, p in enumerate(need):
                     feature[p] = out[j]
             feats = torch.stack([feature[p] for p in need])
-            ranks = self.logprobs(feats).topk(max(p[-1] for p in level) + 1).indices
+            ranks = self._topk(feats, max(p[-1] for p in level) + 1)[1]
             row = {p: j for j, p in enumerate(need)}
             for p in level:
                 index[p] = len(tokens)

@@ -11,12 +11,12 @@ import scipy.stats
 import torch
 
 from eaglespec.engine import Engine
-from eaglespec.head import random_head
+from eaglespec.head import EagleHead, random_head
 from eaglespec.loading import load_target
 from eaglespec.model import KVCache
 from eaglespec.sampling import SamplingParams, target_probs
 from eaglespec.testing import FAMILIES
-from eaglespec.tree import Tree, TreeConfig
+from eaglespec.tree import Drafter, Tree, TreeConfig
 from eaglespec.verify import verify
 
 KINDS = ("dynamic", "static", "chain")
@@ -100,6 +100,32 @@ def test_good_head_accepts_several_tokens_and_is_lossless(kind, good, moves, sam
         assert sum(r.accept_lengths[:-1]) + 1 < r.new_tokens <= sum(r.accept_lengths) + 1
     if kind != "chain":  # a chain's accepted path is always contiguous; a tree's usually is not
         assert len(moves) > 10
+
+
+def with_draft_vocab(head: EagleHead, ids: torch.Tensor) -> EagleHead:
+    reduced = EagleHead(head.args, bias=head.bias, draft_vocab=ids)
+    reduced.load_state_dict(head.state_dict(), strict=False)
+    return reduced.eval().requires_grad_(False)
+
+
+def test_head_with_a_draft_vocabulary_drafts_only_it_and_is_lossless(good, monkeypatch, same_or_tie):
+    """A reduced draft vocabulary (half the tokens) changes what is drafted, never what is output."""
+    model, head, prompts, vanilla = good
+    ids = torch.arange(0, model.args.vocab_size, 2)
+    drafted = []
+    real = Drafter.draft
+
+    def spy(self, *a, **k):
+        tree = real(self, *a, **k)
+        drafted.extend(tree.tokens[1:].tolist())
+        return tree
+
+    monkeypatch.setattr(Drafter, "draft", spy)
+    for kind in KINDS:
+        results = check_lossless(Engine(model, head=with_draft_vocab(head, ids), tree=TreeConfig(kind=kind)),
+                                 prompts[:10], vanilla[:10], same_or_tie)
+        assert max(max(r.accept_lengths) for r in results) >= 3  # even ids still get accepted
+    assert drafted and all(t % 2 == 0 for t in drafted)
 
 
 def test_broken_cache_compaction_is_caught(good, monkeypatch, same_or_tie):
@@ -206,11 +232,15 @@ def exact_continuations(model, prompt: list[int], n: int, params: SamplingParams
     return out
 
 
-@pytest.mark.parametrize("name,draws", [("t1", 2000), ("t0.7-p0.9-k5", 1000)])
-def test_engine_sampling_follows_the_target(name, draws, make_oracle_pair):
-    """End to end: EAGLE's first three sampled tokens follow the target's exact joint distribution."""
+@pytest.mark.parametrize("name,draws,draft_vocab", [("t1", 2000, None), ("t0.7-p0.9-k5", 1000, None),
+                                                    ("t1", 1000, [0, 2, 3, 5, 7])])
+def test_engine_sampling_follows_the_target(name, draws, draft_vocab, make_oracle_pair):
+    """End to end: EAGLE's first three sampled tokens follow the target's exact joint distribution
+    (also when the head drafts from a reduced vocabulary)."""
     params = SAMPLING[name]
     model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
+    if draft_vocab is not None:
+        head = with_draft_vocab(head, torch.tensor(draft_vocab))
     engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
     prompt = [1, 2, 3]
     expected = exact_continuations(model, prompt, 3, params)

@@ -16,6 +16,7 @@ from eaglespec.head import load_head, random_head
 from eaglespec.loading import load_target, load_tokenizer
 from eaglespec.testing import make_tiny_checkpoint
 from eaglespec.train import SoftCrossEntropy, batch_loss, shift_inputs, unrolled_predictions
+from eaglespec.features import FeatureStore
 
 WORDS = ("the quick brown fox jumps over a lazy dog while speculative decoding drafts tokens cheaply and the "
          "target model verifies them").split()
@@ -75,7 +76,7 @@ def test_soft_cross_entropy_matches_autograd(monkeypatch):
     w = torch.randn(50, 16)
     pred = torch.randn(20, 16, requires_grad=True)
     tgt = torch.randn(20, 16)
-    loss, hits = SoftCrossEntropy.apply(pred, tgt, w)
+    loss, hits = SoftCrossEntropy.apply(pred, tgt, w, None)
     loss.backward()
     ref_pred = pred.detach().clone().requires_grad_()
     p = torch.softmax(tgt @ w.T, -1)
@@ -87,6 +88,28 @@ def test_soft_cross_entropy_matches_autograd(monkeypatch):
     top = (pred @ w.T).topk(3, -1).indices
     assert int(hits[0]) == int((top[:, 0] == best).sum())
     assert int(hits[1]) == int((top == best[:, None]).any(-1).sum())
+
+
+def test_soft_cross_entropy_over_a_draft_vocabulary(monkeypatch):
+    """With a reduced draft vocabulary: p is the target's distribution renormalised over it, and
+    hits are counted in target ids against the argmax over the whole vocabulary."""
+    import eaglespec.train as tr
+    from eaglespec.train import soft_ce
+    monkeypatch.setattr(tr, "CE_CHUNK", 7)
+    torch.manual_seed(1)
+    full = torch.randn(50, 16)
+    ids = torch.tensor([0, 3, 4, 9, 17, 20, 33, 41, 49])
+    pred, tgt = torch.randn(20, 16, requires_grad=True), torch.randn(20, 16)
+    loss, _ = SoftCrossEntropy.apply(pred, tgt, full[ids].contiguous(), ids)
+    loss.backward()
+    ref_pred = pred.detach().clone().requires_grad_()
+    ref = -(torch.softmax(tgt @ full[ids].T, -1) * torch.log_softmax(ref_pred @ full[ids].T, -1)).sum(-1).mean()
+    ref.backward()
+    assert torch.allclose(loss, ref, atol=1e-5) and torch.allclose(pred.grad, ref_pred.grad, atol=1e-6)
+    _, hits, best, _ = soft_ce(pred.detach(), tgt, full[ids].contiguous(), want_grad=False, draft_ids=ids, full_weight=full)
+    assert torch.equal(best, (tgt @ full.T).argmax(-1))
+    guess = ids[(pred.detach() @ full[ids].T).argmax(-1)]
+    assert int(hits[0]) == int((guess == best).sum())
 
 
 def test_shift_inputs_masks_by_the_fed_token():
@@ -193,6 +216,34 @@ def test_saved_head_loads_and_drafts_identically(trained, tiny):
     assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths
 
 
+def test_draft_vocabulary_run_saves_loads_and_refuses_another_on_resume(tiny, chats, tmp_path, capsys):
+    """--draft-vocab: the head stores EAGLE-3's d2t/t2d, loads back drafting only those tokens, and a
+    resume with another vocabulary size is refused in one line."""
+    from eaglespec.engine import Engine
+    out = tmp_path / "dv"
+    assert cli(*common(tiny, chats, out, "--draft-vocab", 100, "--max-steps", 3)) == 0
+    cfg = json.loads((out / "head" / "config.json").read_text())
+    sd = load_file(str(out / "head" / "model.safetensors"))
+    assert cfg["draft_vocab_size"] == 100 and sd["d2t"].shape == (100,) and int(sd["t2d"].sum()) == 100
+    model, _ = load_target(str(tiny), device="cpu")
+    head = load_head(out / "head", model.args)
+    ids = head.draft_ids
+    assert torch.equal(ids, torch.arange(100) + sd["d2t"]) and bool((ids[1:] > ids[:-1]).all())
+    assert torch.equal(sd["t2d"].nonzero()[:, 0], ids)
+    assert "Draft vocabulary: 100 most frequent" in (out / "card.md").read_text()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert metrics and 0 <= metrics[-1]["top1"] <= metrics[-1]["top3"] <= 1
+    engine = Engine.load(str(tiny), head=str(out / "head"), device="cpu")
+    r = engine.generate(messages=[{"role": "user", "content": "the quick brown fox"}], max_new_tokens=24,
+                        ignore_eos=True)
+    plain = engine.generate(messages=[{"role": "user", "content": "the quick brown fox"}], max_new_tokens=24,
+                            ignore_eos=True, method="vanilla")
+    assert r.token_ids == plain.token_ids
+    capsys.readouterr()
+    msg = one_line_error(capsys, *common(tiny, chats, out, "--draft-vocab", 50, "--max-steps", 5, "--resume"))
+    assert "another vocabulary" in msg
+
+
 def test_resume_after_a_kill_continues_on_the_same_curve(tiny, chats, tmp_path, trained):
     out = tmp_path / "killed"
     args = common(tiny, chats, out, "--epochs", 2, "--eval-every", 4, "--save-every", 3)
@@ -244,6 +295,22 @@ def test_features_then_train_from_disk(tiny, chats, tmp_path, trained):
     assert len(ours) == len(ref)
     for r, s in zip(ours, ref):
         assert r["loss"] == pytest.approx(s["loss"], rel=2e-2)
+
+
+def test_features_grow_with_more_conversations(tiny, chats, tmp_path):
+    """Rerunning with a larger --max-conversations keeps the shards that hold the same conversations."""
+    feats = tmp_path / "grow"
+    argv = ["features", "--model", tiny, "--data", chats, "--out", feats, "--shard-size", 10, "--batch-tokens", 512]
+    assert cli(*argv, "--max-conversations", 25) == 0
+    stamps = {i: (feats / f"shard-0000{i}.safetensors").stat().st_mtime_ns for i in range(3)}
+    first = load_file(str(feats / "shard-00001.safetensors"))
+    assert cli(*argv) == 0
+    manifest = json.loads((feats / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["n_conversations"] == 48 and len(manifest["shards"]) == 5
+    assert all((feats / f"shard-0000{i}.safetensors").stat().st_mtime_ns == stamps[i] for i in (0, 1))
+    assert (feats / "shard-00002.safetensors").stat().st_mtime_ns != stamps[2]  # held 5 conversations, now 10
+    assert torch.equal(load_file(str(feats / "shard-00001.safetensors"))["features"], first["features"])
+    assert len(FeatureStore(feats)) == 48
 
 
 # ---- bad input: one line, exit 2, no traceback --------------------------------------------------------

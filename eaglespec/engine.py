@@ -68,7 +68,7 @@ def _sync(device: torch.device):
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, head: EagleHead | None = None,
-                 tree: TreeConfig | None = None, max_context: int | None = None, compile: bool = False):
+                 tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False):
         self.model = model
         self.tokenizer = tokenizer
         self.head = head
@@ -80,16 +80,17 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
-        self.compiled = compile
+        self.compiled = bool(compile)
         draft_ids = head.draft_ids if head is not None else None
         self._draft_weight = model.lm_head.weight if draft_ids is None else model.lm_head.weight[draft_ids].contiguous()
         if compile:
             from .compiled import CompiledForward
             # one cache for the engine's life: a compiled graph must not see its buffers replaced
             self._ensure_cache(self.max_context + self.tree.max_nodes + self.tree.top_k * self.tree.depth + 1)
-            self._target_step = CompiledForward(model, model)
-            self._head_step = CompiledForward(head, head) if head is not None else None
-            self._draft_logprobs = torch.compile(self._draft_logprobs, mode="max-autotune", fullgraph=True)
+            mode = compile if isinstance(compile, str) else None  # None: max-autotune (tests pass "default")
+            self._target_step = CompiledForward(model, model, mode)
+            self._head_step = CompiledForward(head, head, mode) if head is not None else None
+            self._draft_logprobs = torch.compile(self._draft_logprobs, mode=mode or "max-autotune", fullgraph=True)
 
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,

@@ -20,7 +20,6 @@ def _configure_inductor():
     ic.freezing = True  # weights become constants: lets inductor pick and prepack its own GEMMs
     ic.autotune_num_choices_displayed = 0
     ic.max_autotune_report_choices_stats = False
-    ic.max_autotune_report_choices_stats = False
     sa.PRINT_AUTOTUNE = False  # its per-kernel tables would drown the generated text
 
 

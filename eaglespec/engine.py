@@ -81,8 +81,9 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.compiled = bool(compile)
-        draft_ids = head.draft_ids if head is not None else None
-        self._draft_weight = model.lm_head.weight if draft_ids is None else model.lm_head.weight[draft_ids].contiguous()
+        self._draft_ids = head.draft_ids if head is not None else None
+        w = model.lm_head.weight
+        self._draft_weight = w if self._draft_ids is None else w[self._draft_ids].contiguous()
         if compile:
             from .compiled import CompiledForward
             # one cache for the engine's life: a compiled graph must not see its buffers replaced
@@ -194,7 +195,7 @@ class Engine:
         if self.head is None:
             raise ValueError("method 'eagle' needs a draft head")
         model, dev = self.model, self.device
-        drafter = Drafter(self._head, model.embed_tokens, self._draft_logprobs, self.tree, self.head.draft_ids)
+        drafter = Drafter(self._head, model.embed_tokens, self._draft_logprobs, self.tree, self._draft_ids)
         feats, logits = self._prefill(ids, timers)
         root = next_token(logits, params, gen)
         yield [root]

@@ -432,9 +432,7 @@ def choose_draft_vocab(token_masks, n: int, vocab_size: int) -> tuple[torch.Tens
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, mask in token_masks:
         counts += torch.bincount(torch.as_tensor(ids)[torch.as_tensor(mask, dtype=torch.bool)], minlength=vocab_size)
-    n = min(n, vocab_size)
-    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))[:n]
-    ids = torch.tensor(sorted(order), dtype=torch.long)
+    ids = torch.argsort(-counts, stable=True)[:n].sort().values  # stable: equal counts keep id order
     return ids, float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
 

@@ -13,6 +13,7 @@ from eaglespec.cli import main
 from eaglespec.engine import Engine
 from eaglespec.head import random_head
 from eaglespec.loading import load_target
+from safetensors.torch import load_file, save_file
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -29,6 +30,13 @@ def folders(tiny_checkpoint, tmp_path_factory):
         other, _ = load_target(tiny_checkpoint("llama", **overrides), device="cpu")
         random_head(other.args).save(root / name)
         heads[name] = root / name
+    # a reduced-vocabulary head whose d2t points past the target's vocabulary
+    model, _ = load_target(tiny_checkpoint("llama"), device="cpu")
+    random_head(model.args, draft_vocab=[1, 2, 3]).save(root / "bad-d2t")
+    sd = load_file(str(root / "bad-d2t" / "model.safetensors"))
+    sd["d2t"][-1] = 10_000
+    save_file(sd, str(root / "bad-d2t" / "model.safetensors"))
+    heads["bad-d2t"] = root / "bad-d2t"
     return {"model": tiny_checkpoint("llama"), "gpt2": gpt2, "missing": root / "no-such-model", **heads}
 
 
@@ -67,7 +75,8 @@ def test_unsupported_architecture(capsys, folders):
     assert msg == api_error(lambda: Engine.load(str(folders["gpt2"]), device="cpu"))
 
 
-@pytest.mark.parametrize("head,key", [("narrow", "hidden_size"), ("big-vocab", "vocab_size")])
+@pytest.mark.parametrize("head,key", [("narrow", "hidden_size"), ("big-vocab", "vocab_size"),
+                                      ("bad-d2t", "draft vocabulary")])
 def test_head_that_does_not_fit_the_target(head, key, capsys, folders):
     msg = cli_error(capsys, "generate", "--model", folders["model"], "--head", folders[head], "--device", "cpu", "hi")
     assert key in msg

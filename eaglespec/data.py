@@ -302,6 +302,19 @@ def split(keys: list[str], seed: int, fraction: float = 0.05) -> tuple[list[int]
     return train, held
 
 
+def pack_by_length(order: list[int], lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Cut `order` into consecutive batches of at most `batch_tokens` padded tokens (a lone longer item
+    is a batch of its own); `order` should run by length so that little is padding."""
+    batches, cur, longest = [], [], 0
+    for i in order:
+        if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    return batches + ([cur] if cur else [])
+
+
 def make_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, pool: int = 512) -> list[list[int]]:
     """Shuffle, sort by length within pools, pack batches of at most `batch_tokens` padded tokens,
     then shuffle the batches. Deterministic in (seed, epoch). Returns lists of positions in `lengths`."""
@@ -310,15 +323,6 @@ def make_batches(lengths: list[int], batch_tokens: int, seed: int, epoch: int, p
     order = torch.randperm(len(lengths), generator=g).tolist()
     batches: list[list[int]] = []
     for start in range(0, len(order), pool):
-        chunk = sorted(order[start:start + pool], key=lambda i: lengths[i])
-        cur: list[int] = []
-        for i in chunk:
-            longest = max([lengths[j] for j in cur] + [lengths[i]])
-            if cur and longest * (len(cur) + 1) > batch_tokens:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
+        batches += pack_by_length(sorted(order[start:start + pool], key=lambda i: lengths[i]), lengths, batch_tokens)
     perm = torch.randperm(len(batches), generator=g).tolist()
     return [batches[i] for i in perm]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .data import Example, encode_all, load_conversations
+from .data import Example, encode_all, load_conversations, pack_by_length
 
 FORMAT = "eaglespec-features"
 FEATURE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -114,14 +114,7 @@ def target_features(target, ids: torch.Tensor) -> torch.Tensor:
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Positions in `lengths`, longest first, packed into batches of at most batch_tokens padded tokens."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches, cur = [], []
-    for i in order:
-        if cur and lengths[cur[0]] * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    return batches + ([cur] if cur else [])
+    return pack_by_length(sorted(range(len(lengths)), key=lambda i: -lengths[i]), lengths, batch_tokens)
 
 
 # ---- the command ------------------------------------------------------------------------------------

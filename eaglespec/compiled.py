@@ -1,4 +1,4 @@
-"""Compiled forwards for the decoding hot path.
+"""Static-shape calls for the decoding hot path, compiled with torch.compile or run eagerly.
 
 On CPUs, eager matmuls with few rows are slow (MKL repacks the weights every call; see
 shared cpu-notes): inductor's own GEMMs run a 1-token step ~2x and an 8-16-token verification
@@ -6,47 +6,95 @@ shared cpu-notes): inductor's own GEMMs run a 1-token step ~2x and an 8-16-token
 site, the cache is written in place through slot indices, and attention reads a cache prefix whose
 length is rounded up to a bucket (the mask hides the rest) and marked dynamic, so a growing
 context does not trigger a recompile.
+
+The eager path runs the very same functions with the very same masks, so the two paths differ only
+in who executes the graph.
 """
 from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
 
 import torch
 
 KV_BUCKET = 128
+_CONFIGURED = False
 
 
-def _configure_inductor():
+def inductor_cache_dir() -> Path:
+    from .loading import cache_root
+    return cache_root() / "inductor"
+
+
+def configure_inductor():
+    """Settings shared by every compiled call, applied once per process."""
+    global _CONFIGURED
+    if _CONFIGURED:
+        return
     import torch._inductor.config as ic
     import torch._inductor.select_algorithm as sa
+    # Compiled artifacts (generated C++, autotune choices, FX graphs) persist across runs, so a
+    # second process starts in seconds instead of minutes.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    # Each call site has its own fixed shapes (one graph per tree size): a new size must compile a
+    # new static graph, not turn the old one into a slower dynamic-shape graph. Only the mask's
+    # cache length is dynamic, and only because we mark it so.
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
     ic.freezing = True  # weights become constants: lets inductor pick and prepack its own GEMMs
     ic.autotune_num_choices_displayed = 0
     ic.max_autotune_report_choices_stats = False
     sa.PRINT_AUTOTUNE = False  # its per-kernel tables would drown the generated text
+    _CONFIGURED = True
 
 
-class CompiledForward:
-    """Wraps `module(x, ..., mask=, cache_start=)` (target or head) with a compiled static-shape call."""
+def compiler_available() -> str | None:
+    """None if torch.compile can build kernels here, else why not (one line)."""
+    if sys.platform == "win32":
+        return "torch.compile's C++ backend is not supported on Windows here"
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None and shutil.which("c++") is None and shutil.which("clang++") is None:
+        return "no C++ compiler found (install g++ or set CXX)"
+    return None
 
-    def __init__(self, module, cache_owner, mode: str | None = None):
-        _configure_inductor()
-        self.module, self.cache_owner = module, cache_owner
-        device = next(module.parameters()).device
-        mode = mode or ("max-autotune" if device.type == "cpu" else "max-autotune-no-cudagraphs")
-        self._fn = torch.compile(self._run, mode=mode, fullgraph=True)
 
-    def _run(self, *inputs, slots, mask):
-        return self.module(*inputs, mask=mask, cache_start=slots)
+def kv_len_for(end: int, max_len: int) -> int:
+    return min(-(-end // KV_BUCKET) * KV_BUCKET, max_len)
 
-    def __call__(self, *inputs, cache_start: int, mask: torch.Tensor | None = None):
-        t = inputs[0].shape[1]
+
+class StaticCall:
+    """`fn(*inputs, slots=, mask=)` as a fixed-shape call on a module with a KV cache.
+
+    The caller gives `cache_start` (the first cache slot written) and, optionally, the visibility
+    mask (t, cache_start + t); without one, the t tokens are causal after `cache_start` cached ones.
+    """
+
+    def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = ""):
+        self.cache_owner, self.name = cache_owner, name
+        self.compiled = compile_mode is not None
+        if self.compiled:
+            configure_inductor()
+            self._fn = torch.compile(fn, mode=compile_mode, fullgraph=True)
+        else:
+            self._fn = fn
+
+    def __call__(self, *inputs, cache_start: int, t: int, mask: torch.Tensor | None = None):
         end = cache_start + t
         device = inputs[0].device
-        max_len = self.cache_owner.cache.max_len
-        kv_len = min(-(-end // KV_BUCKET) * KV_BUCKET, max_len)
+        kv_len = kv_len_for(end, self.cache_owner.cache.max_len)
         full = torch.zeros(t, kv_len, dtype=torch.bool, device=device)
         if mask is None:
             full[:, :end] = torch.ones(t, end, dtype=torch.bool, device=device).tril(cache_start)
         else:
             full[:, :end] = mask
-        torch._dynamo.mark_dynamic(full, 1)
+        if self.compiled:
+            torch._dynamo.mark_dynamic(full, 1)
         slots = torch.arange(cache_start, end, device=device)
         return self._fn(*inputs, slots=slots, mask=full)
+
+
+def default_mode(device: torch.device) -> str:
+    return "max-autotune" if device.type == "cpu" else "max-autotune-no-cudagraphs"

@@ -16,8 +16,10 @@ from .head import EagleHead, load_head, random_head
 from .loading import DEFAULT_MODEL, load_target, load_tokenizer
 from .model import Transformer
 from .sampling import SamplingParams, next_token
-from .tree import Drafter, TreeConfig
-from .verify import verify
+from .compiled import StaticCall, configure_inductor, default_mode
+from .costmodel import AUTO_BUCKETS, TreePolicy
+from .tree import Drafter, Tree, TreeConfig, select_tree, top_by_score
+from .verify import greedy_accept, verify
 
 METHODS = ("eagle", "vanilla")
 REPO_HEADS = Path(__file__).resolve().parent.parent / "heads"
@@ -58,6 +60,7 @@ class _Timers:
     draft: float = 0.0
     verify: float = 0.0
     forwards: int = 0
+    tree_tokens: int = 0
     accept: list[int] = field(default_factory=list)
 
 
@@ -68,7 +71,11 @@ def _sync(device: torch.device):
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, head: EagleHead | None = None,
-                 tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False):
+                 tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False,
+                 cost_table=None):
+        """compile: False (eager), True (the device's best torch.compile mode) or a mode name.
+        cost_table: a `costmodel.CostTable` for `tree.auto` (default: the cached calibration, measured
+        on first use)."""
         self.model = model
         self.tokenizer = tokenizer
         self.head = head
@@ -80,24 +87,36 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
-        self.compiled = bool(compile)
+        self.model_source = getattr(model, "source", "unknown")
         self._draft_ids = head.draft_ids if head is not None else None
+        if self._draft_ids is not None and self._draft_ids.numel() < self.tree.draft_top_k:
+            raise ValueError(f"the head's draft vocabulary ({self._draft_ids.numel()} tokens) is smaller than the "
+                             f"tree's top-k ({self.tree.draft_top_k})")
         w = model.lm_head.weight
         self._draft_weight = w if self._draft_ids is None else w[self._draft_ids].contiguous()
-        if compile:
-            from .compiled import CompiledForward
-            # one cache for the engine's life: a compiled graph must not see its buffers replaced
-            self._ensure_cache(self.max_context + self.tree.max_nodes + self.tree.top_k * self.tree.depth + 1)
-            mode = compile if isinstance(compile, str) else None  # None: max-autotune (tests pass "default")
-            self._target_step = CompiledForward(model, model, mode)
-            self._head_step = CompiledForward(head, head, mode) if head is not None else None
-            self._draft_logprobs = torch.compile(self._draft_logprobs, mode=mode or "max-autotune", fullgraph=True)
+        self.compile_mode = (compile if isinstance(compile, str) else default_mode(self.device)) if compile else None
+        self.compiled = self.compile_mode is not None
+        # One cache for the engine's life: a compiled graph must not see its buffers replaced.
+        self._ensure_cache(self.max_context + self._round_slack())
+        mode = self.compile_mode
+        self._target_call = StaticCall(self._target_fn, model, mode, "target")
+        self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up") if head is not None else None
+        self._expand_call = StaticCall(self._expand_fn, head, mode, "expand") if head is not None else None
+        if mode is not None:
+            configure_inductor()
+            self._move = torch.compile(self._move_fn, mode=mode, fullgraph=True)
+        else:
+            self._move = self._move_fn
+        self._cost_table = cost_table
+        self.policy: TreePolicy | None = None
+        self._busy = False
 
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,
-             tree: TreeConfig | None = None, max_context: int | None = None, compile: bool = False) -> "Engine":
+             tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False) -> "Engine":
         """head: a head folder, "random", or None for the model's shipped head (random if none)."""
         target, folder = load_target(model, device=device, dtype=dtype)
+        target.source = model or DEFAULT_MODEL
         tokenizer = load_tokenizer(folder)
         if head is None:
             shipped = DEFAULT_HEADS.get(model or DEFAULT_MODEL)
@@ -145,7 +164,44 @@ class Engine:
             raise ValueError("this model's tokenizer has no chat template: use a plain prompt")
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    # ---- the static-shape calls (compiled or eager; see compiled.py) -------------------------------
+
+    def _target_fn(self, tokens, positions, *, slots, mask):
+        feats, logits = self.model(tokens, positions, mask=mask, cache_start=slots)
+        return feats[0], logits[0], logits[0].argmax(-1)
+
+    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax((hidden @ self._draft_weight.T).float(), dim=-1)
+
+    def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self._draft_ids is None else self._draft_ids[ids]
+
+    def _catchup_fn(self, tokens, hidden, positions, last, *, slots, mask):
+        """The head on the tokens just accepted (padded to a fixed count), fused with depth 1: the
+        root's predicted hidden state and its top-k."""
+        out = self.head(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
+        root = out.index_select(0, last)
+        scores, ids = self._draft_logprobs(root).topk(self.tree.draft_top_k, dim=-1)
+        return root[0], scores[0], self._to_target_ids(ids[0])
+
+    def _expand_fn(self, tokens, hidden, positions, scores, *, slots, mask):
+        """One depth: the frontier through the head, each row's top-k, the k best children overall."""
+        out = self.head(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
+        k = self.tree.draft_top_k
+        lp, ids = self._draft_logprobs(out).topk(k, dim=-1)
+        cum = lp + scores[:, None]
+        best = cum.flatten().topk(k).indices
+        return out, cum, self._to_target_ids(ids), best
+
+    def _move_fn(self, src, dst):
+        self.model.cache.move_slots(src, dst)
+
     # ---- decoding --------------------------------------------------------------------------------
+
+    def _round_slack(self) -> int:
+        """Cache slots a round may use beyond the committed tokens (tree, padding, catch-up)."""
+        t = self.tree
+        return t.max_nodes + t.max_depth * t.draft_top_k * t.draft_top_k + 2 * (t.max_depth + 2) + max(AUTO_BUCKETS)
 
     def _ensure_cache(self, n: int):
         n = -(-n // 256) * 256
@@ -153,19 +209,6 @@ class Engine:
             self.model.setup_cache(n)
         if self.head is not None and (self.head.cache is None or self.head.cache.max_len < n):
             self.head.setup_cache(n)
-
-    def _target(self, tokens, positions, mask=None, cache_start=0):
-        if self.compiled:
-            return self._target_step(tokens, positions, cache_start=cache_start, mask=mask)
-        return self.model(tokens, positions, mask=mask, cache_start=cache_start)
-
-    def _head(self, token_embeds, features, positions, mask=None, cache_start=0):
-        if self.compiled:
-            return self._head_step(token_embeds, features, positions, cache_start=cache_start, mask=mask)
-        return self.head(token_embeds, features, positions, mask=mask, cache_start=cache_start)
-
-    def _draft_logprobs(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax((features @ self._draft_weight.T).float(), dim=-1)
 
     def _prefill(self, ids: list[int], timers: _Timers):
         t0 = time.perf_counter()
@@ -175,6 +218,9 @@ class Engine:
         timers.prefill += time.perf_counter() - t0
         return feats[0], logits[0, -1]
 
+    def _verify_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cur: int, mask=None):
+        return self._target_call(tokens[None], positions[None], cache_start=cur, t=tokens.numel(), mask=mask)
+
     def _vanilla(self, ids, params, gen, timers) -> Iterator[list[int]]:
         _, logits = self._prefill(ids, timers)
         tok = next_token(logits, params, gen)
@@ -182,53 +228,174 @@ class Engine:
         cur = len(ids)
         while True:
             t0 = time.perf_counter()
-            _, logits = self._target(torch.tensor([[tok]], device=self.device),
-                                     torch.tensor([[cur]], device=self.device), cache_start=cur)
-            tok = next_token(logits[0, -1], params, gen)
+            _, logits, amax = self._verify_forward(torch.tensor([tok], device=self.device),
+                                                   torch.tensor([cur], device=self.device), cur)
+            tok = int(amax[0]) if params.greedy else next_token(logits[0], params, gen)
             timers.verify += time.perf_counter() - t0
             timers.forwards += 1
+            timers.tree_tokens += 1
             timers.accept.append(1)
             cur += 1
             yield [tok]
 
+    @property
+    def _pad(self) -> int:
+        """Accepted tokens per round, at most (the catch-up's fixed length)."""
+        return self.tree.max_depth + 1
+
+    def _catchup(self, new: list[int], feats: torch.Tensor, path: torch.Tensor, cur: int):
+        """Feed the accepted (feature, next token) pairs to the head; return the root's hidden and top-k."""
+        p, dev = self._pad, self.device
+        n = len(new)
+        toks = torch.zeros(1, p, dtype=torch.long, device=dev)
+        toks[0, :n] = torch.tensor(new, device=dev)
+        hidden = feats.index_select(0, path)[None]
+        pos = (cur + torch.arange(p, device=dev))[None]
+        last = torch.tensor([n - 1], device=dev)
+        return self._catchup_call(toks, hidden, pos, last, cache_start=cur, t=p)
+
+    def _head_prefill(self, ids: list[int], root: int, feats: torch.Tensor):
+        dev = self.device
+        head_tokens = torch.tensor([ids[1:] + [root]], device=dev)
+        h = self.head(self.model.embed_tokens(head_tokens), feats[None], torch.arange(len(ids), device=dev)[None],
+                      cache_start=0)
+        root_hidden = h[0, -1]
+        scores, idx = self._draft_logprobs(root_hidden[None]).topk(self.tree.draft_top_k, dim=-1)
+        return root_hidden, scores[0], self._to_target_ids(idx[0])
+
+    def _choose_tree(self, root: int, cands, depth: int) -> Tree:
+        """The verified tree: fixed for static trees and fixed sizes; the cost model's pick for auto."""
+        if cands.fixed is not None:
+            keep = cands.fixed
+        elif self.policy is not None:
+            scores, depths = cands.scores.tolist(), cands.depths.tolist()  # the round's one read while drafting
+            _, keep = self.policy.choose(scores, depths, depth)
+            self._kept = ([scores[i] for i in keep], [depths[i] for i in keep])
+        else:
+            keep = top_by_score(cands, min(self.tree.total_tokens, len(cands)))
+        return select_tree(torch.tensor(root), cands, keep)
+
+    def _get_policy(self) -> TreePolicy | None:
+        if not (self.tree.auto and self.tree.kind == "dynamic"):
+            return None
+        if self.policy is None:
+            if self._cost_table is None:
+                from .costmodel import load_or_measure
+                self._cost_table = load_or_measure(self, (1,) + self.auto_buckets())
+            self.policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
+        return self.policy
+
+    def auto_buckets(self) -> tuple[int, ...]:
+        return tuple(b for b in AUTO_BUCKETS if b <= self.tree.max_nodes) or (self.tree.max_nodes,)
+
     def _eagle(self, ids, params, gen, timers) -> Iterator[list[int]]:
         if self.head is None:
             raise ValueError("method 'eagle' needs a draft head")
-        model, dev = self.model, self.device
-        drafter = Drafter(self._head, model.embed_tokens, self._draft_logprobs, self.tree, self._draft_ids)
+        dev = self.device
+        policy = self._get_policy()
+        drafter = Drafter(self._expand_call, self.tree)
         feats, logits = self._prefill(ids, timers)
         root = next_token(logits, params, gen)
         yield [root]
         t0 = time.perf_counter()
-        # Head position t holds (feature t, token t+1); its last output predicts the root's feature.
-        head_tokens = torch.tensor([ids[1:] + [root]], device=dev)
-        h = self.head(model.embed_tokens(head_tokens), feats[None], torch.arange(len(ids), device=dev)[None],
-                      cache_start=0)
-        root_feature, cur = h[0, -1], len(ids)
+        root_hidden, root_scores, root_ids = self._head_prefill(ids, root, feats)
+        cur = len(ids)
         timers.draft += time.perf_counter() - t0
         while True:
             t0 = time.perf_counter()
-            tree = drafter.draft(root, root_feature, cur)
+            depth = policy.depth() if policy is not None else self.tree.max_depth
+            cands = drafter.draft(root_hidden, root_scores, root_ids, cur, depth)
+            tree = self._choose_tree(root, cands, depth)
             _sync(dev)
             t1 = time.perf_counter()
             n = len(tree)
-            mask = torch.cat([torch.ones(n, cur, dtype=torch.bool), tree.ancestor_mask()], dim=1).to(dev)
-            f, lg = self._target(tree.tokens.to(dev)[None], (cur + tree.depths).to(dev)[None], mask, cur)
-            path, bonus = verify(tree, lg[0], params, gen)
-            path_t = torch.tensor(path, device=dev)
-            model.cache.move(cur + path_t, cur)
-            new = tree.tokens[path[1:]].tolist() + [bonus]
+            mask = torch.cat([torch.ones(n, cur, dtype=torch.bool, device=dev), tree.ancestor_mask()], dim=1)
+            f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
+            if params.greedy:
+                path, bonus, new = greedy_accept(tree, amax)
+            else:
+                path, bonus = verify(tree, lg, params, gen)
+                tokens = tree.tokens.tolist()
+                new = [tokens[i] for i in path[1:]] + [bonus]
+            accepted = len(path)
+            src = torch.tensor(path + list(range(accepted, self._pad)), device=dev)
+            dst = torch.arange(self._pad, device=dev)
+            src[accepted:] = dst[accepted:] + n  # padding: slots past the tree copy onto themselves, harmlessly
+            dst[accepted:] += n
+            self._move(cur + src, cur + dst)
             t2 = time.perf_counter()
+            if policy is not None:
+                policy.observe(*self._kept, accepted - 1)
             timers.draft += t1 - t0
             timers.verify += t2 - t1
             timers.forwards += 1
+            timers.tree_tokens += n
             timers.accept.append(len(new))
             yield new
             t0 = time.perf_counter()
-            h = self._head(model.embed_tokens(torch.tensor([new], device=dev)), f[:, path_t],
-                          (cur + torch.arange(len(path), device=dev))[None], cache_start=cur)
-            root, root_feature, cur = bonus, h[0, -1], cur + len(path)
+            path_t = torch.tensor(path + [0] * (self._pad - accepted), device=dev)
+            root_hidden, root_scores, root_ids = self._catchup(new, f, path_t, cur)
+            root, cur = bonus, cur + accepted
             timers.draft += time.perf_counter() - t0
+
+    # ---- warm-up and calibration -------------------------------------------------------------------
+
+    def shapes(self) -> dict[str, list[int]]:
+        """Every fixed shape a generation can call, by call site."""
+        t = self.tree
+        verify = {1}
+        if t.kind != "dynamic":
+            verify.add(t.max_nodes)
+        elif t.auto:
+            verify.update(self.auto_buckets())
+        else:
+            verify.add(min(t.max_nodes, t.max_candidates + 1))
+        frontier = {t.draft_top_k} if t.kind == "dynamic" else {len(rows) for rows in Drafter(None, t)._plan[0]}
+        return {"verify": sorted(verify), "frontier": sorted(frontier), "catch-up": [self._pad]}
+
+    @torch.inference_mode()
+    def warmup(self, progress=None) -> None:
+        """Run (and so compile) every shape once, off to the side of the cache."""
+        shapes = self.shapes()
+        steps = [("verify", n) for n in shapes["verify"]]
+        if self.head is not None:
+            steps += [("catch-up", shapes["catch-up"][0])] + [("frontier", f) for f in shapes["frontier"]]
+        for i, (kind, n) in enumerate(steps):
+            if progress:
+                progress(i, len(steps), f"{kind} {n}")
+            if kind == "verify":
+                self.time_verify_call(n, 64)
+            else:
+                self.time_draft_call("first" if kind == "catch-up" else "step", 64, n)
+        if self.head is not None:
+            p = self._pad
+            self._move(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
+        if progress:
+            progress(len(steps), len(steps), "done")
+
+    @torch.inference_mode()
+    def time_verify_call(self, n: int, context: int) -> None:
+        """One verification of n tokens after `context` cached ones (cache contents are scratch)."""
+        dev = self.device
+        toks = torch.zeros(n, dtype=torch.long, device=dev)
+        pos = context + torch.arange(n, device=dev)
+        mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril(context)
+        self._verify_forward(toks, pos, context, mask)[2].tolist()
+
+    @torch.inference_mode()
+    def time_draft_call(self, which: str, context: int, frontier: int | None = None) -> None:
+        dev, h = self.device, self.model.args.hidden_size
+        if which == "first":
+            p = self._pad
+            feats = torch.zeros(p + 1, h, device=dev, dtype=self.model.embed_tokens.weight.dtype)
+            self._catchup([0] * 2, feats, torch.zeros(p, dtype=torch.long, device=dev), context)[2].tolist()
+        else:
+            f = frontier or self.tree.draft_top_k
+            hidden = torch.zeros(1, f, h, device=dev, dtype=self.model.embed_tokens.weight.dtype)
+            mask = torch.ones(f, context + f, dtype=torch.bool, device=dev)
+            self._expand_call(torch.zeros(1, f, dtype=torch.long, device=dev), hidden,
+                              torch.full((1, f), context, device=dev), torch.zeros(f, device=dev),
+                              cache_start=context, t=f, mask=mask)[3].tolist()
 
     @torch.inference_mode()
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,

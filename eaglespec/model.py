@@ -164,6 +164,14 @@ class KVCache(nn.Module):
                 buf[:, :, dst] = buf[:, :, src]
 
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor):
+        """Copy slots `src` onto `dst` in every layer (gathered first, so the two may overlap).
+        Fixed-shape and in place, so it compiles into one graph over all layers."""
+        for i in range(self.n_layers):
+            for buf in self.layer(i):
+                buf.index_copy_(2, dst, buf.index_select(2, src))
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()

@@ -1,15 +1,18 @@
 """Drafting: grow a tree of candidate tokens with the draft head (the proposer).
 
-Node 0 is the root: the last token already chosen, which the target has not yet processed. Every
-other node is a candidate continuation; parents always precede their children.
+Everything here is tensor operations on the device: no per-node Python lists and no host reads
+inside the depth loop. A round drafts *candidates* (every node the head proposed, with its parent,
+depth and cumulative log-probability); the tree that is verified is a subset of them chosen
+afterwards (`select_tree`), so its size can be picked by a cost model once the scores are known.
+
+In the verified tree, node 0 is the root (the last token already chosen, which the target has not
+yet processed); every other node is a candidate continuation, and parents precede their children.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-from .head import EagleHead
 
 # EAGLE-1's static tree (mc_sim_7b_63): each node is the path of top-k ranks from the root.
 EAGLE1_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
@@ -21,15 +24,17 @@ EAGLE1_TREE = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0
 class TreeConfig:
     kind: str = "dynamic"      # dynamic (EAGLE-2) | static (EAGLE-1) | chain
     top_k: int = 4
-    depth: int = 5
-    total_tokens: int = 16     # draft nodes kept, root excluded (dynamic)
+    depth: int = 5             # the deepest a round may draft
+    total_tokens: int = 16     # draft nodes kept, root excluded (dynamic, fixed size)
+    auto: bool = False         # dynamic only: size and depth chosen each round by the cost model
 
     def __post_init__(self):
         if self.kind not in ("dynamic", "static", "chain"):
             raise ValueError(f"tree kind must be dynamic, static or chain, got '{self.kind}'")
         for name in ("top_k", "depth", "total_tokens"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"tree {name} must be >= 1, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"tree {name} must be an integer >= 1, got {v}")
 
     def static_paths(self) -> list[list[int]]:
         if self.kind == "chain":
@@ -37,10 +42,29 @@ class TreeConfig:
         return EAGLE1_TREE
 
     @property
+    def draft_top_k(self) -> int:
+        """Children computed per expanded node."""
+        if self.kind == "dynamic":
+            return self.top_k
+        return max(p[-1] for p in self.static_paths()) + 1
+
+    @property
+    def max_depth(self) -> int:
+        if self.kind == "dynamic":
+            return self.depth
+        return max(len(p) for p in self.static_paths())
+
+    @property
     def max_nodes(self) -> int:
+        """Most tokens a verification holds, root included."""
         if self.kind == "dynamic":
             return self.total_tokens + 1
         return len(self.static_paths()) + 1
+
+    @property
+    def max_candidates(self) -> int:
+        k, d = self.draft_top_k, self.max_depth
+        return k + (d - 1) * k * k
 
 
 @dataclass
@@ -48,13 +72,15 @@ class Tree:
     tokens: torch.Tensor    # (N,) long, node 0 = root
     parents: torch.Tensor   # (N,) long, parent index, -1 for the root
     depths: torch.Tensor    # (N,) long, root = 0
+    ancestors: torch.Tensor | None = None  # (N, N) bool: j is i or an ancestor of i
 
     def __len__(self) -> int:
         return self.tokens.numel()
 
     def ancestor_mask(self) -> torch.Tensor:
-        """(N, N) bool: node i may attend to node j iff j is i or an ancestor of i."""
-        return ancestor_mask(self.parents)
+        if self.ancestors is None:
+            self.ancestors = ancestor_mask(self.parents, int(self.depths.max()) if len(self) else 0)
+        return self.ancestors
 
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in range(len(self))]
@@ -64,118 +90,135 @@ class Tree:
         return kids
 
 
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_mask(parents: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+    """(N, N) bool closure of the parent relation, in `depth` vectorised steps (no per-node loop);
+    without `depth`, N - 1 steps (enough for any tree)."""
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
-    for i, p in enumerate(parents.tolist()):  # parents precede children, so row p is complete
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
+    depth = max(n - 1, 0) if depth is None else depth
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device)
+    up = parents.clamp(min=0)
+    anc, reach = eye, eye
+    for _ in range(depth):
+        reach = reach[up] & (parents >= 0)[:, None]  # row i: one generation further up from i
+        anc = anc | reach
+    return anc
+
+
+@dataclass
+class Candidates:
+    """Every node drafted in a round (the root excluded), in drafting order (parents first)."""
+    tokens: torch.Tensor    # (C,) target token ids
+    parents: torch.Tensor   # (C,) candidate index of the parent, -1 = the root
+    depths: torch.Tensor    # (C,) 1 = child of the root
+    scores: torch.Tensor    # (C,) cumulative draft log-probability
+    fixed: list[int] | None = None  # static trees: the candidates to verify, whatever their scores
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+
+def select_tree(root: torch.Tensor, cands: Candidates, keep: list[int] | torch.Tensor) -> Tree:
+    """The verified tree: the root plus candidates `keep` (ascending, closed under parents)."""
+    dev = cands.tokens.device
+    idx = torch.as_tensor(keep, dtype=torch.long, device=dev)
+    n = idx.numel() + 1
+    where = torch.zeros(len(cands), dtype=torch.long, device=dev)
+    where[idx] = torch.arange(1, n, device=dev)
+    par = cands.parents[idx]
+    parents = torch.cat([torch.full((1,), -1, device=dev, dtype=torch.long),
+                         torch.where(par < 0, 0, where[par.clamp(min=0)])])
+    depths = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), cands.depths[idx]])
+    tokens = torch.cat([root.reshape(1).to(dev), cands.tokens[idx]])
+    max_depth = int(cands.depths.max()) if len(cands) else 0
+    return Tree(tokens, parents, depths, ancestor_mask(parents, max_depth))
+
+
+def top_by_score(cands: Candidates, n_keep: int) -> torch.Tensor:
+    """Indices of the `n_keep` best candidates, ascending. A child never scores above its parent and
+    the sort is stable (parents come first on ties), so the kept set is always a connected tree."""
+    order = torch.sort(cands.scores, descending=True, stable=True).indices[:n_keep]
+    return order.sort().values
+
+
+def _static_plan(paths: list[list[int]], k: int):
+    """For a static tree: which candidates each depth expands, and which candidates are kept.
+
+    Candidates are numbered as the drafter creates them: depth 1 holds the root's k children; each
+    later depth holds k children per expanded row. Returns (rows expanded per depth >= 2, as lists of
+    candidate indices; kept candidate indices)."""
+    by_path: dict[tuple, int] = {(r,): r for r in range(k)}
+    expand: list[list[int]] = []
+    offset = k
+    depth = max(len(p) for p in paths)
+    for d in range(2, depth + 1):
+        parents = sorted({tuple(p[:-1]) for p in paths if len(p) == d})
+        expand.append([by_path[p] for p in parents])
+        for row, p in enumerate(parents):
+            for r in range(k):
+                by_path[p + (r,)] = offset + row * k + r
+        offset += len(parents) * k
+    keep = sorted(by_path[tuple(p)] for p in paths)
+    return expand, keep
 
 
 class Drafter:
-    """Runs the head over a tree. Tree nodes occupy head-cache slots after `head_len` and are
-    forgotten when the next round writes its accepted tokens there."""
+    """Grows the candidate tree over the head's cache.
 
-    def __init__(self, head: EagleHead, embed: torch.nn.Embedding, logprobs, config: TreeConfig,
-                 draft_ids: torch.Tensor | None = None):
-        """head: the head or its compiled call; logprobs: predicted features -> draft log-probabilities,
-        over `draft_ids` (target token ids) when the head drafts from a reduced vocabulary."""
-        self.head, self.embed, self.logprobs, self.config = head, embed, logprobs, config
-        self.draft_ids = draft_ids
+    The head cache holds one entry per committed target position (slots [0, base)); tree nodes are
+    written after it, in feeding order, and are forgotten when the next round's catch-up writes
+    the accepted tokens there. `expand(tokens, hidden, positions, scores, cache_start=, t=, mask=)`
+    is the per-depth call (head layer, draft LM head, log-softmax, top-k; fixed shape per frontier
+    size) returning (hidden out (F, H), cumulative scores (F, k), token ids (F, k), best (k,)).
+    """
 
-    def _topk(self, features: torch.Tensor, k: int):
-        """(log-probs, target token ids) of the k most likely draft tokens for each row."""
-        values, idx = self.logprobs(features).topk(k)
-        return values, (idx if self.draft_ids is None else self.draft_ids[idx])
+    def __init__(self, expand, config: TreeConfig):
+        self.expand, self.config = expand, config
+        self._plan = None if config.kind == "dynamic" else _static_plan(config.static_paths(), config.draft_top_k)
 
-    def _expand(self, head_len: int, fed_parents: list[int], tokens: list[int], features: torch.Tensor,
-                depths: list[int]) -> torch.Tensor:
-        """Feed new nodes (their token and their parent's predicted feature) into the head.
-
-        `fed_parents[i]` is the index among previously fed nodes of node i's parent in the head
-        cache, or -1 if its parent is the root. Returns the new nodes' predicted features.
-        """
-        n_old = self._n_fed
-        n_new = len(tokens)
-        dev = features.device
-        parents = torch.tensor(self._fed_parent + fed_parents, dtype=torch.long)
-        anc = ancestor_mask(parents)[n_old:]  # (n_new, n_old + n_new)
-        mask = torch.cat([torch.ones(n_new, head_len, dtype=torch.bool), anc], dim=1).to(dev)
-        pos = torch.tensor([head_len - 1 + d for d in depths], device=dev)[None]
-        tok = torch.tensor(tokens, device=dev)[None]
-        out = self.head(self.embed(tok), features[None], pos, mask=mask, cache_start=head_len + n_old)
-        self._fed_parent += fed_parents
-        self._n_fed += n_new
-        return out[0]
-
-    def draft(self, root_token: int, root_feature: torch.Tensor, head_len: int) -> Tree:
-        """root_feature: the head's prediction of the root's feature (from the last accepted pair)."""
-        self._fed_parent: list[int] = []
-        self._n_fed = 0
-        if self.config.kind == "dynamic":
-            return self._dynamic(root_token, root_feature, head_len)
-        return self._static(root_token, root_feature, head_len)
-
-    def _dynamic(self, root_token, root_feature, head_len) -> Tree:
-        """EAGLE-2: expand the top_k frontier by cumulative log-prob; keep the best total_tokens nodes."""
-        cfg = self.config
-        k = cfg.top_k
-        values, ids = self._topk(root_feature[None], k)
-        # every generated node: token, parent (node index, 0 = root), score, depth
-        tokens, parents, scores, depths = [root_token], [-1], [0.0], [0]
-        tokens += ids[0].tolist(); parents += [0] * k; scores += values[0].tolist(); depths += [1] * k
-        frontier = list(range(1, k + 1))
-        fed_index = {}  # node index -> index among fed nodes
-        frontier_feature = root_feature[None].expand(k, -1)
-        for d in range(2, cfg.depth + 1):
-            fed_parents = [fed_index.get(parents[n], -1) for n in frontier]
-            for j, n in enumerate(frontier):
-                fed_index[n] = self._n_fed + j
-            out = self._expand(head_len, fed_parents, [tokens[n] for n in frontier], frontier_feature,
-                               [d - 1] * len(frontier))
-            values, ids = self._topk(out, k)  # (|frontier|, k)
-            cum = values + torch.tensor([scores[n] for n in frontier], device=out.device)[:, None]
-            best = cum.flatten().topk(k).indices.tolist()
-            first_new = len(tokens)
-            flat_tok, flat_score = ids.flatten().tolist(), cum.flatten().tolist()
-            for j in range(len(frontier) * k):
-                tokens.append(flat_tok[j]); parents.append(frontier[j // k]); scores.append(flat_score[j]); depths.append(d)
-            frontier = [first_new + j for j in best]
-            frontier_feature = out[[j // k for j in best]]
-        # Keep the best nodes; a child never outscores its parent and ties go to the shallower node,
-        # so the kept set is a tree. Sorting by (depth, score) puts parents before children.
-        n_keep = min(cfg.total_tokens, len(tokens) - 1)
-        order = sorted(range(1, len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:n_keep]
-        keep = [0] + sorted(order, key=lambda i: (depths[i], -scores[i], i))
-        new_index = {old: new for new, old in enumerate(keep)}
-        return Tree(tokens=torch.tensor([tokens[i] for i in keep]),
-                    parents=torch.tensor([new_index[parents[i]] if i else -1 for i in keep]),
-                    depths=torch.tensor([depths[i] for i in keep]))
-
-    def _static(self, root_token, root_feature, head_len) -> Tree:
-        """EAGLE-1 tree / chain: node [r0..rd] is the rank-rd child of node [r0..rd-1]."""
-        paths = sorted(self.config.static_paths(), key=lambda p: (len(p), p))
-        index = {(): 0}
-        tokens, parents, depths = [root_token], [-1], [0]
-        feature = {(): root_feature}
-        fed_index: dict[tuple, int] = {}
-        max_depth = max(len(p) for p in paths)
-        for d in range(1, max_depth + 1):
-            level = [tuple(p) for p in paths if len(p) == d]
-            need = sorted({p[:-1] for p in level})
-            if d > 1:  # feed the parents (depth d-1 nodes) to get their children's distribution
-                fed_parents = [fed_index.get(p[:-1], -1) for p in need]
-                for j, p in enumerate(need):
-                    fed_index[p] = self._n_fed + j
-                out = self._expand(head_len, fed_parents, [tokens[index[p]] for p in need],
-                                   torch.stack([feature[p[:-1]] for p in need]), [d - 1] * len(need))
-                for j, p in enumerate(need):
-                    feature[p] = out[j]
-            feats = torch.stack([feature[p] for p in need])
-            ranks = self._topk(feats, max(p[-1] for p in level) + 1)[1]
-            row = {p: j for j, p in enumerate(need)}
-            for p in level:
-                index[p] = len(tokens)
-                tokens.append(int(ranks[row[p[:-1]], p[-1]])); parents.append(index[p[:-1]]); depths.append(d)
-        return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
+    def draft(self, root_hidden: torch.Tensor, root_scores: torch.Tensor, root_ids: torch.Tensor,
+              base: int, depth: int) -> Candidates:
+        """root_hidden (H,): the head's output for the root; root_scores/root_ids (k,): its top-k.
+        base: the committed length (first tree slot in the head cache); depth: levels to draft."""
+        k = self.config.draft_top_k
+        dev = root_ids.device
+        toks, pars, deps, scs = [root_ids], [torch.full((k,), -1, dtype=torch.long, device=dev)], \
+            [torch.ones(k, dtype=torch.long, device=dev)], [root_scores]
+        n_cand = k
+        if self._plan is None:
+            front = torch.arange(k, device=dev)          # candidate indices of the rows to feed
+        else:
+            depth = min(depth, len(self._plan[0]) + 1)
+            front = torch.tensor(self._plan[0][0], device=dev) if depth > 1 else None
+        f_tok, f_score = root_ids[front] if front is not None else None, root_scores[front] if front is not None else None
+        f_hidden = root_hidden.expand(len(front), -1) if front is not None else None
+        # ancestry of the rows being fed, over the tree slots written so far (self included)
+        n_slots = 0
+        f_anc = None
+        for d in range(2, depth + 1):
+            f = front.numel()
+            own = torch.eye(f, dtype=torch.bool, device=dev)
+            f_anc = own if f_anc is None else torch.cat([f_anc, own], dim=1)
+            mask = torch.cat([torch.ones(f, base, dtype=torch.bool, device=dev), f_anc], dim=1)
+            pos = torch.full((1, f), base + d - 2, dtype=torch.long, device=dev)
+            out, cum, ids, best = self.expand(f_tok[None], f_hidden[None], pos, f_score,
+                                              cache_start=base + n_slots, t=f, mask=mask)
+            n_slots += f
+            toks.append(ids.flatten()); scs.append(cum.flatten()); deps.append(torch.full((f * k,), d, device=dev))
+            pars.append(front.repeat_interleave(k))
+            first = n_cand
+            n_cand += f * k
+            if d == depth:
+                break
+            if self._plan is None:
+                rows = best // k
+                front = first + best
+            else:
+                front = torch.tensor(self._plan[0][d - 1], device=dev)
+                rows = front - first
+                rows = rows // k
+            f_tok, f_score, f_hidden = toks[-1][front - first], scs[-1][front - first], out[rows]
+            f_anc = f_anc[rows]
+        cands = Candidates(torch.cat(toks), torch.cat(pars), torch.cat(deps), torch.cat(scs))
+        if self._plan is not None:
+            cands.fixed = [c for c in self._plan[1] if c < n_cand]
+        return cands

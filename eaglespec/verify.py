@@ -14,6 +14,25 @@ from .sampling import SamplingParams, sample, target_probs
 from .tree import Tree
 
 
+def greedy_accept(tree: Tree, argmax: torch.Tensor) -> tuple[list[int], int, list[int]]:
+    """Greedy verification as tensor operations: (accepted node indices, root first; bonus token;
+    the new tokens, i.e. the accepted nodes' tokens after the root, then the bonus).
+
+    A node is accepted when its token equals the target's argmax at its parent, and so are all its
+    ancestors'. Siblings carry distinct tokens, so the accepted nodes form one path; its deepest node
+    gives the bonus token. One host read per round, here at the end."""
+    anc = tree.ancestor_mask()
+    ok = tree.tokens == argmax[tree.parents.clamp(min=0)]
+    ok[0] = True
+    accepted = ~(anc & ~ok[None, :]).any(1)
+    best = torch.where(accepted, tree.depths, -1).argmax()
+    path = anc[best].nonzero().flatten()  # ascending = root first, since parents precede children
+    out = torch.cat([argmax[best].reshape(1), path, tree.tokens[path[1:]]]).tolist()
+    n = (len(out) - 1 + 1) // 2  # path has n nodes, tokens n - 1
+    path, bonus = out[1:1 + n], out[0]
+    return path, bonus, out[1 + n:] + [bonus]
+
+
 def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator | None) -> tuple[list[int], int]:
     """logits: (N, V), the target's output at every tree node. Returns the accepted node indices

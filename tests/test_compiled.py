@@ -35,7 +35,7 @@ def test_compiled_engine_matches_eager_greedy(make_oracle_pair, same_or_tie):
     mask = torch.cat([torch.ones(9, len(prompt), dtype=torch.bool), ancestor_mask(parents)], dim=1)
     pos = (len(prompt) + depths)[None]
     with torch.inference_mode():
-        _, got = compiled._target(tokens, pos, mask, len(prompt))
+        got = compiled._verify_forward(tokens[0], pos[0], len(prompt), mask)[1][None]
         model.setup_cache(64)  # a fresh eager run of the same prompt and tree
         _, ref = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache_start=0)
         _, ref = model(tokens, pos, mask=mask, cache_start=len(prompt))

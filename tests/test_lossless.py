@@ -77,15 +77,15 @@ def good(make_oracle_pair):
 
 @pytest.fixture
 def moves(monkeypatch):
-    """Records every KVCache.move that really moves slots (the accepted path was not contiguous)."""
-    real, seen = KVCache.move, []
+    """Records every cache compaction that really moves slots (the accepted path was not contiguous)."""
+    real, seen = KVCache.move_slots, []
 
-    def move(self, src, dst_start):
-        if not torch.equal(src, torch.arange(dst_start, dst_start + src.numel())):
+    def move(self, src, dst):
+        if not torch.equal(src, dst):
             seen.append(src.tolist())
-        return real(self, src, dst_start)
+        return real(self, src, dst)
 
-    monkeypatch.setattr(KVCache, "move", move)
+    monkeypatch.setattr(KVCache, "move_slots", move)
     return seen
 
 
@@ -116,9 +116,9 @@ def test_head_with_a_draft_vocabulary_drafts_only_it_and_is_lossless(good, monke
     real = Drafter.draft
 
     def spy(self, *a, **k):
-        tree = real(self, *a, **k)
-        drafted.extend(tree.tokens[1:].tolist())
-        return tree
+        cands = real(self, *a, **k)
+        drafted.extend(cands.tokens.tolist())
+        return cands
 
     monkeypatch.setattr(Drafter, "draft", spy)
     for kind in KINDS:
@@ -132,7 +132,7 @@ def test_broken_cache_compaction_is_caught(good, monkeypatch, same_or_tie):
     """If the accepted path's K/V were left where the tree put them, outputs would differ: the
     lossless check above does exercise KVCache.move."""
     model, head, prompts, vanilla = good
-    monkeypatch.setattr(KVCache, "move", lambda self, src, dst_start: None)
+    monkeypatch.setattr(KVCache, "move_slots", lambda self, src, dst: None)
     engine = Engine(model, head=head, tree=TreeConfig(kind="dynamic"))
     caught = 0
     for prompt, want in zip(prompts[:10], vanilla):

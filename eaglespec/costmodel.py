@@ -1,0 +1,214 @@
+"""How big a tree pays: the measured cost of verifying n tokens and of drafting, and the per-round
+choice of tree size and depth that maximises expected tokens per second.
+
+    rate(n, depth) = (1 + sum of P(node accepted) over the n-1 best nodes) / (T_draft(depth) + T_verify(n))
+
+P(node accepted) is the product of draft probabilities along the node's path (exp of its cumulative
+log-probability), calibrated online per depth against the acceptance actually observed. T comes
+from a calibration table measured once per (model, device, dtype, torch version, threads, mode) and
+cached under ~/.cache/eaglespec/calibration. On a CPU T(n) grows quickly with n, so the rule picks
+small trees; on a GPU T(n) is nearly flat, so the same rule picks large ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 12, 16, 24, 32)
+AUTO_BUCKETS = (4, 8, 12, 16)  # verification sizes (root included) the auto policy compiles and picks from
+
+
+@dataclass
+class CostTable:
+    verify_ms: dict[int, float]        # n tokens verified (root included) -> ms; n = 1 is a plain step
+    draft_first_ms: float              # head catch-up on the accepted tokens + depth 1's top-k
+    draft_step_ms: float               # one further depth of the frontier
+    key: dict = field(default_factory=dict)
+
+    def t_verify(self, n: int) -> float:
+        if n in self.verify_ms:
+            return self.verify_ms[n]
+        xs = sorted(self.verify_ms)
+        lo = max((x for x in xs if x <= n), default=xs[0])
+        hi = min((x for x in xs if x >= n), default=xs[-1])
+        if lo == hi:
+            return self.verify_ms[lo] * (n / lo if n > lo else 1.0)
+        w = (n - lo) / (hi - lo)
+        return self.verify_ms[lo] * (1 - w) + self.verify_ms[hi] * w
+
+    def t_draft(self, depth: int) -> float:
+        return self.draft_first_ms + max(0, depth - 1) * self.draft_step_ms
+
+    def ratios(self) -> dict[int, float]:
+        base = self.verify_ms.get(1) or self.t_verify(1)
+        return {n: t / base for n, t in sorted(self.verify_ms.items())}
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
+        d["ratios"] = {str(k): round(v, 3) for k, v in self.ratios().items()}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CostTable":
+        return cls({int(k): float(v) for k, v in d["verify_ms"].items()}, float(d["draft_first_ms"]),
+                   float(d["draft_step_ms"]), d.get("key", {}))
+
+
+# ---- measuring ----------------------------------------------------------------------------------
+
+def table_key(engine) -> dict:
+    w = engine.model.embed_tokens.weight
+    h = engine.head
+    return {
+        "model": getattr(engine, "model_source", "unknown"),
+        "model_shape": [engine.model.args.num_hidden_layers, engine.model.args.hidden_size,
+                        engine.model.args.vocab_size],
+        "draft_vocab": None if engine._draft_ids is None else int(engine._draft_ids.numel()),
+        "head_shape": None if h is None else [h.args.hidden_size, h.args.intermediate_size],
+        "top_k": engine.tree.draft_top_k,
+        "device": str(w.device.type) + ("" if w.device.type != "cuda" else ":" + torch.cuda.get_device_name(w.device)),
+        "dtype": str(w.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "mode": engine.compile_mode or "eager",
+    }
+
+
+def cache_path(key: dict) -> Path:
+    from .loading import cache_root
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "calibration" / f"{digest}.json"
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()  # compile / warm caches
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return 1e3 * times[len(times) // 2]
+
+
+def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256, progress=None) -> CostTable:
+    """Time verification of n tokens and the two draft calls at a `context`-token prefix."""
+    verify_ms = {}
+    for n in sizes:
+        if progress:
+            progress(f"verify {n}")
+        verify_ms[n] = _median_ms(lambda: engine.time_verify_call(n, context), reps)
+    draft_first = draft_step = 0.0
+    if engine.head is not None:
+        if progress:
+            progress("draft")
+        draft_first = _median_ms(lambda: engine.time_draft_call("first", context), reps)
+        draft_step = _median_ms(lambda: engine.time_draft_call("step", context), reps)
+    return CostTable(verify_ms, draft_first, draft_step, table_key(engine))
+
+
+def load_table(engine) -> CostTable | None:
+    path = cache_path(table_key(engine))
+    if path.is_file():
+        try:
+            return CostTable.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            return None  # a damaged cache entry is remeasured, not fatal
+    return None
+
+
+def save_table(table: CostTable) -> Path:
+    path = cache_path(table.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table.to_json(), indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_or_measure(engine, sizes, progress=None) -> CostTable:
+    """The cached table if it covers `sizes`, else a fresh measurement of them (then cached)."""
+    table = load_table(engine)
+    if table is not None and all(n in table.verify_ms for n in sizes) and table.draft_first_ms > 0:
+        return table
+    fresh = measure(engine, sizes, reps=7, progress=progress)
+    if table is not None:  # keep sizes measured earlier (a full `calibrate`)
+        fresh.verify_ms = {**table.verify_ms, **fresh.verify_ms}
+    save_table(fresh)
+    return fresh
+
+
+# ---- the per-round policy -----------------------------------------------------------------------
+
+class TreePolicy:
+    """Chooses each round's draft depth (before drafting) and verified size (after drafting)."""
+
+    def __init__(self, table: CostTable, buckets: tuple[int, ...], max_depth: int, ema: float = 0.05):
+        self.table, self.buckets, self.max_depth, self.ema = table, tuple(sorted(buckets)), max_depth, ema
+        # per depth: observed and predicted chance that the accepted path reaches it (calibration);
+        # a prior of a few pseudo-rounds at factor 1 keeps early rounds sane
+        self.obs = [1.0] * (max_depth + 1)
+        self.pred = [1.0] * (max_depth + 1)
+        self.depth_estimate = float(max(1, min(max_depth, 4)))
+        self.rounds = 0
+
+    def factor(self, depth: int) -> float:
+        return min(2.0, max(0.02, self.obs[depth] / max(self.pred[depth], 1e-6)))
+
+    def depth(self) -> int:
+        """Depth to draft this round: the recent best in hindsight, one deeper now and then to look."""
+        d = int(round(self.depth_estimate))
+        if self.rounds % 8 == 7:
+            d += 1
+        return max(1, min(self.max_depth, d))
+
+    def _curves(self, scores: list[float], depths: list[int], drafted: int) -> list[list[float]]:
+        """curves[d][m]: expected tokens from verifying the m best candidates of depth <= d (root's 1 included)."""
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable: parents first on ties
+        self._order = order
+        curves = [[1.0]]
+        for dmax in range(1, drafted + 1):
+            mass, cum = 1.0, [1.0]
+            for i in order:
+                if depths[i] <= dmax:
+                    mass += self.factor(depths[i]) * math.exp(scores[i])
+                    cum.append(mass)
+            curves.append(cum)
+        return curves
+
+    def _best(self, cum: list[float], t_draft: float) -> tuple[float, int]:
+        """(rate, n) of the best bucket that this many candidates can fill."""
+        fits = [b for b in self.buckets if b - 1 < len(cum)] or [self.buckets[0]]
+        return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.table.t_verify(b)), -b) for b in fits)
+
+    def choose(self, scores: list[float], depths: list[int], drafted: int) -> tuple[int, list[int]]:
+        """Given every candidate's cumulative log-prob and depth (host lists), pick the verified size n
+        (a bucket, root included) and the kept candidates (ascending, a connected tree). Also learns,
+        in hindsight, which depth would have paid best this round, for the next round's drafting."""
+        curves = self._curves(scores, depths, drafted)
+        # drafting is already paid for: only the verification cost differs between sizes
+        _, neg_n = self._best(curves[drafted], self.table.t_draft(drafted))
+        n = -neg_n
+        best_d = max(range(1, drafted + 1), key=lambda d: self._best(curves[d], self.table.t_draft(d))[0])
+        self.depth_estimate += 0.25 * (best_d - self.depth_estimate)
+        keep = sorted(self._order[:n - 1])
+        return len(keep) + 1, keep
+
+    def observe(self, kept_scores: list[float], kept_depths: list[int], accepted_depth: int):
+        """Calibrate: predicted vs observed chance of the accepted path reaching each depth."""
+        self.rounds += 1
+        reach = [0.0] * (self.max_depth + 1)
+        for s, d in zip(kept_scores, kept_depths):
+            reach[d] += math.exp(s)
+        a = self.ema
+        for d in range(1, self.max_depth + 1):
+            if reach[d] > 0:
+                self.pred[d] += a * (min(1.0, reach[d]) - self.pred[d])
+                self.obs[d] += a * (float(accepted_depth >= d) - self.obs[d])

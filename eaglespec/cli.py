@@ -8,8 +8,9 @@ import os
 import sys
 
 # subcommand modules; each has add_cli(subparsers) that sets `func` on its parser
-SUBCOMMAND_MODULES = ("eaglespec.generate_cli", "eaglespec.features", "eaglespec.train", "eaglespec.bench",
-                      "eaglespec.serve")
+SUBCOMMAND_MODULES = ("eaglespec.generate_cli", "eaglespec.regenerate", "eaglespec.features", "eaglespec.train",
+                      "eaglespec.bench", "eaglespec.calibrate", "eaglespec.serve", "eaglespec.export",
+                      "eaglespec.fuzz")
 
 
 def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
@@ -21,14 +22,16 @@ def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
-    g.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
+    g.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens) (default: the model's)")
     g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="experimental: torch.compile the decode and verify steps (minutes of compiling first)")
     t = p.add_argument_group("draft tree")
     t.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
-    t.add_argument("--top-k-draft", type=int, default=None, help="children per expanded node (dynamic)")
-    t.add_argument("--depth", type=int, default=None, help="draft depth")
-    t.add_argument("--total-tokens", type=int, default=None, help="draft nodes verified per round (dynamic)")
+    # None: TreeConfig's own defaults (named here without importing torch: --help stays fast)
+    t.add_argument("--top-k-draft", type=int, default=None, help="children per expanded node (dynamic) (default: 4)")
+    t.add_argument("--depth", type=int, default=None, help="draft depth (default: 5)")
+    t.add_argument("--total-tokens", type=int, default=None,
+                   help="draft nodes verified per round (dynamic) (default: 16)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +39,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a random one)")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable) (default: none)")
 
 
 def tree_config(args):
@@ -60,7 +63,24 @@ def build_engine(args, head: bool = True):
                        compile=args.compile)
 
 
-def main(argv: list[str] | None = None) -> int:
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append "(default: X)" to every option's help that has a default worth showing and does not
+    already explain it (argparse's ArgumentDefaultsHelpFormatter would also print "default: None" and
+    skip options without help)."""
+    for action in parser._actions:
+        help_ = action.help
+        flag = isinstance(action, argparse.BooleanOptionalAction)
+        if (not action.option_strings or help_ is argparse.SUPPRESS or action.default is None
+                or (action.default is False and not flag) or action.default is argparse.SUPPRESS
+                or "default" in (help_ or "").lower()):
+            continue
+        shown = "%(default)s"
+        if flag:  # "default: False" reads better as the flag
+            shown = action.option_strings[0 if action.default else 1]
+        action.help = f"{help_} (default: {shown})" if help_ else f"default: {shown}"
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eaglespec", description="Lossless EAGLE speculative decoding.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
@@ -71,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             raise
         mod.add_cli(sub)
+    for sub_parser in sub.choices.values():
+        show_defaults(sub_parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -42,8 +42,9 @@ def configure_inductor():
     # new static graph, not turn the old one into a slower dynamic-shape graph. Only the mask's
     # cache length is dynamic, and only because we mark it so.
     torch._dynamo.config.automatic_dynamic_shapes = False
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
+    # Every engine's calls are compiled versions of the same few functions; a process may build several.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 512)
     ic.freezing = True  # weights become constants: lets inductor pick and prepack its own GEMMs
     ic.autotune_num_choices_displayed = 0
     ic.max_autotune_report_choices_stats = False

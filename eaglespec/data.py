@@ -47,8 +47,10 @@ class LoadReport:
     skipped: Counter = field(default_factory=Counter)
     truncated_file: bool = False
 
-    def summary(self, kept: int) -> str:
-        line = f"data: {kept:,} conversations from {self.source}"
+    def summary(self, kept: int, conversations: int | None = None) -> str:
+        """kept: records kept; conversations: how many conversations they belong to (if not one each)."""
+        parts = f" ({kept:,} records)" if conversations is not None and conversations != kept else ""
+        line = f"data: {conversations if conversations is not None else kept:,} conversations{parts} from {self.source}"
         extra = []
         if self.skipped:
             reasons = ", ".join(f"{n:,} {why}" for why, n in self.skipped.most_common())
@@ -187,12 +189,13 @@ def records(spec: str, report: LoadReport) -> Iterator:
 
 
 def load_conversations(spec: str, max_conversations: int | None = None) -> tuple[list[Conversation], LoadReport]:
-    """Every usable conversation of `spec` (the first `max_conversations`), and what was skipped."""
+    """Every usable record of `spec`, and what was skipped. ShareGPT splits a long chat into records
+    (ids `x_0`, `x_1`, ...) that share a conversation key; `max_conversations` counts conversations,
+    so it keeps every usable record of the first N of them."""
     report = LoadReport(source=spec)
     out: list[Conversation] = []
+    keys: set[str] = set()
     for record in records(spec, report):
-        if max_conversations is not None and len(out) >= max_conversations:
-            break
         try:
             messages = to_messages(record)
         except ValueError as e:
@@ -200,6 +203,9 @@ def load_conversations(spec: str, max_conversations: int | None = None) -> tuple
             continue
         rid = record.get("id") if isinstance(record.get("id"), str) else None
         key = rid.rsplit("_", 1)[0] if rid else f"#{report.records}"
+        if max_conversations is not None and key not in keys and len(keys) >= max_conversations:
+            break
+        keys.add(key)
         out.append(Conversation(key, messages))
     if not out:
         raise ValueError(f"no usable conversations in {spec} ({report.summary(0).split('(', 1)[-1].rstrip(')') or 'empty'})")

@@ -5,6 +5,8 @@ methods go through the same prefill, cache and stopping rules, so speed-ups comp
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,12 +20,17 @@ from .model import Transformer
 from .sampling import SamplingParams, next_token
 from .compiled import StaticCall, configure_inductor, default_mode
 from .costmodel import AUTO_BUCKETS, TreePolicy
+from .stopping import Stopper, stream_delta
 from .tree import Drafter, Tree, TreeConfig, select_tree, top_by_score
 from .verify import greedy_accept, verify
 
 METHODS = ("eagle", "vanilla")
 REPO_HEADS = Path(__file__).resolve().parent.parent / "heads"
 DEFAULT_HEADS = {DEFAULT_MODEL: REPO_HEADS / "smollm2-135m-instruct"}
+
+
+class ContextLengthError(ValueError):
+    """The prompt does not fit the context."""
 
 
 @dataclass
@@ -42,6 +49,7 @@ class GenerationResult:
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     tokens_per_s: float = 0.0
+    tree_tokens: int = 0               # tokens the target verified over all rounds, roots included (plain: 1 a step)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,6 +70,62 @@ class _Timers:
     forwards: int = 0
     tree_tokens: int = 0
     accept: list[int] = field(default_factory=list)
+
+
+_CLAIM = threading.Lock()  # makes "is this engine free? then it is mine" one step
+
+
+@contextlib.contextmanager
+def _exclusive(engine: "Engine"):
+    """Hold `engine` for one stream. Two streams would interleave their rounds in one KV cache and
+    silently corrupt each other, so the second is refused (the server gives each request a replica)."""
+    with _CLAIM:
+        if getattr(engine, "_streaming", False):
+            raise RuntimeError("this Engine is already generating (a stream is still open): finish or close it "
+                               "first, or use one Engine per concurrent stream (see eaglespec.serve.replicate)")
+        engine._streaming = True
+    try:
+        yield
+    finally:
+        engine._streaming = False
+
+
+def tree_candidates(tree: TreeConfig) -> int:
+    """How many draft candidates the tree takes per expanded node (the top-k it asks the head for)."""
+    return tree.draft_top_k
+
+
+def check_tree_fits_head(tree: TreeConfig, head: EagleHead | None) -> None:
+    """A tree that asks for more candidates than the head can draft would crash mid-generation."""
+    if head is None:
+        return
+    ids = head.draft_ids
+    size = head.args.vocab_size if ids is None else ids.numel()
+    need = tree_candidates(tree)
+    if need > size:
+        raise ValueError(f"the head's draft vocabulary has {size} token(s) but the {tree.kind} tree takes the top "
+                         f"{need} per node: use a smaller --top-k-draft, --tree chain, or a head with a larger "
+                         "draft vocabulary")
+
+
+def check_seed(seed) -> None:
+    if seed is None:
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+
+
+def _longest_token_chars(tokenizer) -> int:
+    """An upper bound on the characters one token covers: its longest vocabulary entry (byte-level
+    entries spell one character per byte, so they never undercount). Cached on the tokenizer."""
+    cached = getattr(tokenizer, "_eaglespec_longest_token", None)
+    if cached is None:
+        cached = max(map(len, tokenizer.get_vocab()), default=1) or 1
+        try:
+            tokenizer._eaglespec_longest_token = cached
+        except AttributeError:
+            pass
+    return cached
 
 
 def _sync(device: torch.device):
@@ -88,10 +152,8 @@ class Engine:
             eos.add(tokenizer.eos_token_id)
         self.eos_ids = eos
         self.model_source = getattr(model, "source", "unknown")
+        check_tree_fits_head(self.tree, head)
         self._draft_ids = head.draft_ids if head is not None else None
-        if self._draft_ids is not None and self._draft_ids.numel() < self.tree.draft_top_k:
-            raise ValueError(f"the head's draft vocabulary ({self._draft_ids.numel()} tokens) is smaller than the "
-                             f"tree's top-k ({self.tree.draft_top_k})")
         w = model.lm_head.weight
         self._draft_weight = w if self._draft_ids is None else w[self._draft_ids].contiguous()
         self.compile_mode = (compile if isinstance(compile, str) else default_mode(self.device)) if compile else None
@@ -144,16 +206,25 @@ class Engine:
         elif self.tokenizer is None:
             raise ValueError("this engine has no tokenizer: pass input_ids")
         elif messages is not None:
-            ids = self.tokenizer(self.render_chat(messages), add_special_tokens=False).input_ids
+            ids = self._tokenize(self.render_chat(messages), add_special_tokens=False)
         else:
             if not isinstance(prompt, str):
                 raise ValueError("prompt must be a string")
-            ids = self.tokenizer(prompt).input_ids
+            ids = self._tokenize(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_context:
-            raise ValueError(f"prompt is {len(ids)} tokens; the model's context is {self.max_context} tokens")
+            raise ContextLengthError(f"prompt is {len(ids)} tokens; the model's context is {self.max_context} tokens")
         return ids
+
+    def _tokenize(self, text: str, **kw) -> list[int]:
+        """Token ids of `text`, refusing at once a text too long for any tokenization to fit the context:
+        a 24 MB prompt would otherwise be tokenized whole (seconds, gigabytes) only to be refused."""
+        most = self.max_context * _longest_token_chars(self.tokenizer)
+        if len(text) > most:
+            raise ContextLengthError(f"prompt is {len(text):,} characters, more than the model's context of "
+                                     f"{self.max_context} tokens can hold")
+        return self.tokenizer(text, **kw).input_ids
 
     def render_chat(self, messages: list[dict]) -> str:
         if not isinstance(messages, list) or not messages or not all(
@@ -397,75 +468,72 @@ class Engine:
                               torch.full((1, f), context, device=dev), torch.zeros(f, device=dev),
                               cache_start=context, t=f, mask=mask)[3].tolist()
 
-    @torch.inference_mode()
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                input_ids: list[int] | None = None, method: str = "eagle", max_new_tokens: int = 128,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                stop: list[str] | str | None = None, ignore_eos: bool = False) -> Iterator[StreamChunk]:
+        """Chunks of new text and tokens, one per decoding round; the last one carries the result.
+        One stream at a time per Engine (its KV cache lives in the model): a second raises RuntimeError."""
+        with _exclusive(self):
+            yield from self._stream(prompt, messages, input_ids, method, max_new_tokens, temperature, top_p, top_k,
+                                    seed, stop, ignore_eos)
+
+    @torch.inference_mode()
+    def _stream(self, prompt, messages, input_ids, method, max_new_tokens, temperature, top_p, top_k, seed, stop,
+                ignore_eos) -> Iterator[StreamChunk]:
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got '{method}'")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
         params = SamplingParams(float(temperature) if isinstance(temperature, (int, float)) else temperature,
                                 float(top_p) if isinstance(top_p, (int, float)) else top_p, top_k)
+        check_seed(seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise ValueError("stop must be a non-empty string or a list of them")
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if method == "eagle":
+            check_tree_fits_head(self.tree, self.head)  # the tree may have been swapped since construction
         ids = self.encode(prompt, messages, input_ids)
         budget = min(max_new_tokens, self.max_context - len(ids))
-        self._ensure_cache(len(ids) + budget + self.tree.max_nodes + self.tree.top_k * self.tree.depth + 1)
+        self._ensure_cache(len(ids) + budget + self._round_slack())
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         timers = _Timers()
         rounds = (self._eagle if method == "eagle" else self._vanilla)(ids, params, gen, timers)
 
-        out: list[int] = []
-        text, sent, finish = "", 0, "length"
-        hold = max((len(s) for s in stops), default=1) - 1  # text that may still turn into a stop string
+        stopper = Stopper(self.tokenizer, self.eos_ids, ignore_eos, stops, budget)
+        sent, delta, kept, first = 0, "", [], True
         start = time.perf_counter()
         try:
             for new in rounds:
-                done, generated = False, len(new)
-                for i, t in enumerate(new):
-                    if t in self.eos_ids and not ignore_eos:
-                        new, finish, done, generated = new[:i], "stop", True, i + 1
-                        break
-                if len(out) + len(new) >= budget:
-                    new, done = new[: budget - len(out)], True
-                    generated = len(new)
-                if out and timers.accept:  # a cut round counts what it produced: kept tokens and the EOS
-                    timers.accept[-1] = generated
-                out += new
-                if self.tokenizer is not None:
-                    text = self.tokenizer.decode(out, skip_special_tokens=True)
-                    hit = min((i for i in (text.find(s, max(0, sent - hold)) for s in stops) if i >= 0), default=-1)
-                    if hit >= 0:
-                        text, finish, done = text[:hit], "stop", True
-                    safe = len(text) if done else max(sent, len(text) - hold)
-                    while safe > sent and text[safe - 1] == "\ufffd" and not done:
-                        safe -= 1  # an incomplete UTF-8 character: wait for its remaining bytes
-                    delta, sent = text[sent:safe], max(sent, safe)
-                else:
-                    delta = ""
-                if done:
+                outcome = stopper.feed(new)
+                kept = outcome.kept
+                if outcome.done and not first and timers.accept:
+                    # a cut round counts what the rule consumed: the kept tokens and an EOS that ended it
+                    timers.accept[-1] = outcome.consumed
+                first = False
+                delta, sent = stream_delta(stopper.text, sent, stopper.hold, outcome.done)
+                if outcome.done:
                     break
-                yield StreamChunk(delta, new)
+                yield StreamChunk(delta, kept)
         finally:
             rounds.close()
         elapsed = time.perf_counter() - start
-        fwd = timers.forwards
+        fwd, out = timers.forwards, stopper.out
         result = GenerationResult(
-            text=text, token_ids=out, prompt_tokens=len(ids), new_tokens=len(out), finish_reason=finish,
-            method=method, target_forwards=fwd,
+            text=stopper.text, token_ids=out, prompt_tokens=len(ids), new_tokens=len(out),
+            finish_reason=stopper.finish, method=method, target_forwards=fwd,
             tau=sum(timers.accept) / fwd if fwd else 1.0, accept_lengths=list(timers.accept),
             time_s=elapsed, time_prefill_s=timers.prefill, time_draft_s=timers.draft,
-            time_verify_s=timers.verify, tokens_per_s=len(out) / elapsed if elapsed > 0 else 0.0)
-        yield StreamChunk(delta, new, result)
+            time_verify_s=timers.verify, tokens_per_s=len(out) / elapsed if elapsed > 0 else 0.0,
+            tree_tokens=timers.tree_tokens)
+        yield StreamChunk(delta, kept, result)
 
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        for chunk in self.stream(prompt, **kwargs):
-            if chunk.result is not None:
-                return chunk.result
+        with contextlib.closing(self.stream(prompt, **kwargs)) as chunks:  # closed now, not whenever GC runs
+            for chunk in chunks:
+                if chunk.result is not None:
+                    return chunk.result
         raise RuntimeError("stream ended without a result")  # unreachable: stream always ends with one

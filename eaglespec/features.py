@@ -33,7 +33,8 @@ def add_model_args(p) -> None:
 def add_data_args(p):
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, help="sharegpt (default) | PATH.json | PATH.jsonl | hf:NAME")
-    g.add_argument("--max-conversations", type=int, default=None, help="use the first N usable conversations")
+    g.add_argument("--max-conversations", type=int, default=None, help="use the first N usable conversations; the records of one split ShareGPT chat count once "
+                        "(default: all)")
     g.add_argument("--max-len", type=int, default=None, help="cut conversations to this many tokens (default 2048)")
     g.add_argument("--batch-tokens", type=int, default=8192,
                    help="padded tokens per batch (sequences of similar length are batched together)")
@@ -72,7 +73,7 @@ def load_examples(tokenizer, data: str, max_conversations: int | None, max_len: 
         raise ValueError("the target's tokenizer has no chat template: training data cannot be rendered")
     conversations, report = load_conversations(data, max_conversations)
     examples = encode_all(tokenizer, conversations, max_len, report, progress=True)
-    summary = report.summary(len(examples))
+    summary = report.summary(len(examples), len({e.key for e in examples}))
     log(summary)
     if not examples:
         raise ValueError(f"no usable conversations in {data} after tokenizing (max-len {max_len})")

@@ -21,7 +21,7 @@ def add_cli(sub) -> None:
 
     c = sub.add_parser("chat", help="interactive chat (one line a turn; /exit or EOF ends)")
     c.add_argument("--method", default="eagle", choices=["eagle", "vanilla"])
-    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--system", default=None, help="system prompt (default: none)")
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=run_chat)

@@ -125,6 +125,9 @@ def load_head(path: str | Path, target: ModelArgs) -> EagleHead:
     """Load a head folder (config.json + model.safetensors or pytorch_model.bin), checked against the target."""
     path = Path(path).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file():
+        if (path / "head" / "config.json").is_file():  # `eaglespec train --out` folders keep it in head/
+            raise ValueError(f"{path} is a training run, not a head: its head is {path / 'head'} "
+                             f"(--head {path / 'head'})")
         raise ValueError(f"head not found: {path} (expected a folder with config.json and model.safetensors)")
     try:
         cfg = json.loads((path / "config.json").read_text())

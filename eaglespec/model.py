@@ -269,6 +269,15 @@ class Rotary(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # `.to(bfloat16)` would round the frequencies too (relative error 3.7e-3, growing with the
+        # position's angle); transformers keeps them in fp32, and so do we: only the device changes.
+        freq = self.inv_freq
+        super()._apply(fn, recurse)
+        if freq.dtype == torch.float32 and self.inv_freq.dtype != torch.float32:
+            self.inv_freq = freq.to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype):
         """positions (B, T) -> cos, sin of shape (B, 1, T, head_dim), computed in fp32 like HF."""
         freqs = positions[..., None].float() * self.inv_freq

@@ -5,6 +5,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this decode greedily (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40
+# overflows to inf and the probabilities become NaN.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,7 +26,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -31,6 +31,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("eaglespec.serve")
 ENDPOINTS = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/metrics")
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context
 POLL_S = 0.25                        # how often a waiting request checks that its client is still there
 
 
@@ -60,6 +60,16 @@ def add_cli(sub) -> None:
     p.add_argument("--max-concurrency", type=int, default=1,
                    help="generations at once = engine replicas sharing the weights (default 1)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a replica; more get 429")
+    lim = p.add_argument_group("request limits")
+    lim.add_argument("--max-body-bytes", type=int, default=ServeLimits.max_body_bytes,
+                     help="larger request bodies get 413 before they are parsed")
+    lim.add_argument("--default-max-tokens", type=int, default=ServeLimits.default_max_tokens,
+                     help="tokens generated for a request without max_tokens (/v1/completions: at most 16, "
+                          "OpenAI's default)")
+    lim.add_argument("--max-tokens-cap", type=int, default=None,
+                     help="refuse a larger max_tokens with 400 (default: no cap but the context)")
+    p.add_argument("--allow-origin", action="append", default=None, metavar="ORIGIN",
+                   help="let browser pages from ORIGIN call the API (CORS; repeatable; '*' for any; default: none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=run)
 
@@ -87,10 +97,11 @@ def run(args) -> int:
     log.addHandler(handler)
     log.setLevel(args.log_level.upper())
     log.propagate = False
+    limits = ServeLimits(args.max_body_bytes, args.default_max_tokens, args.max_tokens_cap)  # checked before loading
     engine = build_engine(args)
     name = args.served_model_name or served_model_name(args.model)
-    app = create_app(replicate(engine, args.max_concurrency), name, method=args.method,
-                     api_key=args.api_key, max_queue=args.max_queue, warmup=True)
+    app = create_app(replicate(engine, args.max_concurrency), name, method=args.method, api_key=args.api_key,
+                     max_queue=args.max_queue, warmup=True, limits=limits, allow_origins=args.allow_origin)
     if not _is_loopback(args.host) and not args.api_key:
         print(f"eaglespec serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
     print(f"eaglespec serve: '{name}' ({args.method}, head {engine.head_source}, {engine.device}) on "
@@ -231,9 +242,16 @@ class Generation:
         self.cancel = threading.Event()
 
     def run(self, engine: "Engine", kw: dict):  # in the worker thread
+        from .api_schema import ApiError
+        from .engine import ContextLengthError
         try:
             kw = dict(kw)
-            ids = engine.encode(**{k: kw.pop(k) for k in ("prompt", "messages", "input_ids") if k in kw})
+            prompt = {k: kw.pop(k) for k in ("prompt", "messages", "input_ids") if k in kw}
+            try:
+                ids = engine.encode(**prompt)
+            except ContextLengthError as e:  # OpenAI's code for it, naming the field that is too long
+                raise ApiError(400, str(e), param="messages" if "messages" in prompt else "prompt",
+                               code="context_length_exceeded") from None
             self.metrics.add(prompt_tokens=len(ids))
             stream = engine.stream(input_ids=ids, **kw)
             try:
@@ -354,12 +372,30 @@ def _sse(obj) -> str:
 
 # ---- the app -------------------------------------------------------------------------------------
 
-class Gate:
-    """ASGI middleware: the API key check and the request counter (a plain ASGI wrapper rather than
-    BaseHTTPMiddleware, which would get in the way of streaming and disconnect detection)."""
+@dataclass
+class ServeLimits:
+    """What one request may ask of the server (flags of `eaglespec serve`)."""
+    max_body_bytes: int = 2 * 2**20          # larger bodies get 413 before they are parsed
+    default_max_tokens: int | None = 1024    # requests without max_tokens (None: up to the context)
+    max_tokens_cap: int | None = None        # a larger max_tokens gets 400 (None: no cap but the context)
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics):
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __post_init__(self):
+        for name in ("max_body_bytes", "default_max_tokens", "max_tokens_cap"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value}")
+        if self.default_max_tokens and self.max_tokens_cap and self.default_max_tokens > self.max_tokens_cap:
+            raise ValueError(f"--default-max-tokens {self.default_max_tokens} exceeds --max-tokens-cap "
+                             f"{self.max_tokens_cap}")
+
+
+class Gate:
+    """ASGI middleware: the API key check, the body size limit, the request counter, and a clean end
+    to responses cut by shutdown (a plain ASGI wrapper rather than BaseHTTPMiddleware, which would get
+    in the way of streaming and disconnect detection)."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics, max_body_bytes: int | None = None):
+        self.app, self.api_key, self.metrics, self.max_body_bytes = app, api_key, metrics, max_body_bytes
 
     def _authorized(self, scope) -> bool:
         for k, v in scope.get("headers", []):
@@ -368,77 +404,143 @@ class Gate:
                 return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
         return False
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
+    async def _refuse(self, scope, receive, send, status: int, message: str, type_: str, code=None, headers=None):
         from starlette.responses import JSONResponse
 
         from .api_schema import error_body
+        await JSONResponse(error_body(message, type_, code=code), status, headers=headers)(scope, receive, send)
+
+    async def _buffered_body(self, scope, receive, send):
+        """The body read whole, at most `max_body_bytes` of it, before the app sees any: a 200 MB body
+        is refused with 413 as it arrives instead of being parsed. Returns a `receive` that replays it
+        (and then reports disconnects), or None once the 413 is sent."""
+        limit = self.max_body_bytes
+        too_big = (f"request body too large: this server accepts at most {limit:,} bytes (--max-body-bytes)")
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send, 413, too_big, "invalid_request_error", "request_too_large")
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left mid-body: let the app see that
+                first = message
+                break
+            size += len(message.get("body", b""))
+            if size > limit:
+                await self._refuse(scope, receive, send, 413, too_big, "invalid_request_error", "request_too_large")
+                return None
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        pending = [first]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+        return replay
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
         path = scope["path"].rstrip("/") or "/"
-        status, started = 500, False
+        state = {"status": 500, "started": False, "sse": False}
 
         async def send_counted(message):
-            nonlocal status, started
             if message["type"] == "http.response.start":
-                status, started = message["status"], True
+                state.update(status=message["status"], started=True, sse=any(
+                    k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in message["headers"]))
             await send(message)
 
         try:
             if self.api_key and path != "/health" and not self._authorized(scope):
-                body = error_body("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                  code="invalid_api_key")
-                await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_counted)
+                await self._refuse(scope, receive, send_counted, 401,
+                                   "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                   "invalid_request_error", "invalid_api_key", {"WWW-Authenticate": "Bearer"})
                 return
+            if self.max_body_bytes is not None:
+                receive = await self._buffered_body(scope, receive, send_counted)
+                if receive is None:
+                    return
             await self.app(scope, receive, send_counted)
         except asyncio.CancelledError:
             # Only uvicorn cancels a whole request task: at shutdown, once the grace period is over.
-            # The generation stops with it (the stream's `finally`); end the response cleanly.
+            # The generation stops with it (the stream's `finally`); end the response so that a client
+            # can tell it was cut: a stream gets an error event and [DONE], others a 503.
             log.warning("request %s cut short: the server is shutting down", path)
-            try:
-                if started:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                else:
-                    body = error_body("the server is shutting down", "server_error")
-                    await JSONResponse(body, 503)(scope, receive, send_counted)
-            except Exception:  # the connection may be gone already
-                pass
+            await self._end_cut_short(scope, receive, send, send_counted, state)
         finally:
             endpoint = path if path in ENDPOINTS else "/v1/models" if path.startswith("/v1/models/") else "other"
-            self.metrics.count_request(endpoint, status)
+            self.metrics.count_request(endpoint, state["status"])
+
+    async def _end_cut_short(self, scope, receive, send, send_counted, state):
+        from .api_schema import error_body
+        message = "the server is shutting down"
+        try:
+            if not state["started"]:
+                await self._refuse(scope, receive, send_counted, 503, message, "server_error")
+            else:
+                tail = (_sse(error_body(message + ": the generation was cut short", "server_error"))
+                        + "data: [DONE]\n\n").encode() if state["sse"] else b""
+                await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except Exception:  # the connection may be gone already
+            pass
+
+
+@dataclass
+class _Server:
+    """What the routes share."""
+    pool: EnginePool
+    metrics: Metrics
+    model_name: str
+    method: str
+    limits: ServeLimits
+    max_context: int
+    created: int
 
 
 def create_app(engines: "Engine | list[Engine]", model_name: str, method: str = "eagle", api_key: str | None = None,
-               max_queue: int = 64, warmup: bool = False):
-    """The FastAPI app over `engines` (one generation at a time on each; see `replicate`). With `warmup`,
-    startup runs a short generation on every replica first."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException
-
-    from .api_schema import (ApiError, ChatCompletionRequest, CompletionRequest, chat_chunk, chat_messages,
-                             chat_response, completion_chunk, completion_prompt, completion_response, error_body,
-                             models_response, new_id, sampling_kwargs, stats, usage)
-    from .engine import StreamChunk
-
+               max_queue: int = 64, warmup: bool = False, limits: ServeLimits | None = None,
+               allow_origins: list[str] | None = None):
+    """The ASGI app over `engines` (one generation at a time on each; see `replicate`). With `warmup`,
+    startup runs a short generation on every replica first. `allow_origins`: browser origins allowed by
+    CORS (none by default)."""
     engines = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     if method not in ("eagle", "vanilla"):
         raise ValueError(f"method must be eagle or vanilla, got '{method}'")
     metrics = Metrics()
-    pool = EnginePool(engines, max_queue, metrics)
-    created = int(time.time())
-    max_context = engines[0].max_context
+    srv = _Server(EnginePool(engines, max_queue, metrics), metrics, model_name, method, limits or ServeLimits(),
+                  engines[0].max_context, int(time.time()))
+    app = _fastapi_app(srv, warmup)
+    _add_error_handlers(app)
+    _add_info_routes(app, srv)
+    _add_generation_routes(app, srv)
+    return _wrap(app, srv, api_key, allow_origins)
+
+
+def _fastapi_app(srv: _Server, warmup: bool):
+    from fastapi import FastAPI
 
     @asynccontextmanager
     async def lifespan(_app):
-        pool.start()
+        srv.pool.start()
         if warmup:
-            await pool.warm_up()
+            await srv.pool.warm_up()
         yield
-        pool.stop()
+        srv.pool.stop()
 
     app = FastAPI(title="eaglespec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.pool, app.state.metrics, app.state.model_name = pool, metrics, model_name
+    app.state.pool, app.state.metrics, app.state.model_name = srv.pool, srv.metrics, srv.model_name
+    return app
+
+
+def _add_error_handlers(app) -> None:
+    """Every error in OpenAI's shape; nothing a client sends ends in a traceback."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException
+
+    from .api_schema import ApiError, error_body
 
     @app.exception_handler(ApiError)
     async def _api_error(_request, e: ApiError):
@@ -462,133 +564,173 @@ def create_app(engines: "Engine | list[Engine]", model_name: str, method: str = 
         log.error("request failed", exc_info=e)
         return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
 
+
+def _check_model(srv: _Server, name: str):
+    from .api_schema import ApiError, check_unicode
+    check_unicode(name, "model")
+    if name != srv.model_name:
+        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{srv.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def _add_info_routes(app, srv: _Server) -> None:
+    from fastapi.responses import PlainTextResponse
+
+    from .api_schema import models_response
+
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "active": pool.active, "queued": pool.waiting}
+        return {"status": "ok", "model": srv.model_name, "active": srv.pool.active, "queued": srv.pool.waiting}
 
     @app.get("/metrics")
     async def prometheus():
-        return PlainTextResponse(metrics.render(pool.waiting, pool.active, len(engines)),
+        return PlainTextResponse(srv.metrics.render(srv.pool.waiting, srv.pool.active, len(srv.pool.engines)),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
-        return models_response(model_name, created)
+        return models_response(srv.model_name, srv.created)
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        _check_model(model_id)
-        return models_response(model_name, created)["data"][0]
+        _check_model(srv, model_id)
+        return models_response(srv.model_name, srv.created)["data"][0]
 
-    def _check_model(name: str):
-        if name != model_name:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{model_name}'",
-                           param="model", code="model_not_found")
 
-    async def start(request: Request, kw: dict, stream: bool) -> Generation:
-        engine = await _unless_gone(request, pool.acquire(), on_abandon=pool.release)
-        gen = Generation(asyncio.get_running_loop(), metrics, stream)
-        pool.submit(engine, gen, kw)
-        return gen
+async def _start(srv: _Server, request, kw: dict, stream: bool) -> Generation:
+    engine = await _unless_gone(request, srv.pool.acquire(), on_abandon=srv.pool.release)
+    gen = Generation(asyncio.get_running_loop(), srv.metrics, stream)
+    srv.pool.submit(engine, gen, kw)
+    return gen
 
-    async def first_event(request: Request, gen: Generation):
+
+async def _first_event(request, gen: Generation):
+    from .api_schema import ApiError
+    try:
+        item = await _unless_gone(request, gen.events.get())
+    except BaseException:
+        gen.cancel.set()
+        raise
+    if isinstance(item, Exception):
+        raise _as_api_error(item)
+    if item is _END:
+        raise ApiError(503, "generation cancelled: the server is shutting down", type="server_error")
+    return item
+
+
+async def _finish(request, gen: Generation):
+    """The result of a non-streamed generation (its only event)."""
+    try:
+        return (await _first_event(request, gen)).result
+    finally:
+        gen.cancel.set()  # a no-op once finished; stops the worker if we leave early
+
+
+def _streaming(gen: Generation, first, render):
+    from fastapi.responses import StreamingResponse
+
+    async def events():
         try:
-            item = await _unless_gone(request, gen.events.get())
-        except BaseException:
-            gen.cancel.set()
-            raise
-        if isinstance(item, Exception):
-            raise _as_api_error(item)
-        if item is _END:
-            raise ApiError(503, "generation cancelled: the server is shutting down", type="server_error")
-        return item
-
-    async def finish(request: Request, gen: Generation):
-        """The result of a non-streamed generation (its only event)."""
-        try:
-            return (await first_event(request, gen)).result
+            item = first
+            while True:
+                if isinstance(item, Exception):
+                    yield _sse(_as_api_error(item).body())
+                    break
+                if item is _END:
+                    break
+                for obj in render(item):
+                    yield _sse(obj)
+                if item.result is not None:
+                    break
+                item = await gen.events.get()
+            yield "data: [DONE]\n\n"
         finally:
-            gen.cancel.set()  # a no-op once finished; stops the worker if we leave early
+            gen.cancel.set()  # also reached when Starlette cancels us because the client left
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def streaming(gen: Generation, first: StreamChunk, render) -> StreamingResponse:
-        async def events():
-            try:
-                item = first
-                while True:
-                    if isinstance(item, Exception):
-                        yield _sse(_as_api_error(item).body())
-                        break
-                    if item is _END:
-                        break
-                    for obj in render(item):
-                        yield _sse(obj)
-                    if item.result is not None:
-                        break
-                    item = await gen.events.get()
-                yield "data: [DONE]\n\n"
-            finally:
-                gen.cancel.set()  # also reached when Starlette cancels us because the client left
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    def engine_kwargs(req, max_tokens, default_max_tokens) -> dict:
-        _check_model(req.model)
-        kw = sampling_kwargs(req, max_tokens, default_max_tokens)
-        kw["method"] = req.method or method
-        return kw
+def _engine_kwargs(srv: _Server, req, max_tokens, max_tokens_param: str, default_max_tokens) -> dict:
+    from .api_schema import check_request_text, sampling_kwargs
+    check_request_text(req)  # before anything echoes a string back
+    _check_model(srv, req.model)
+    kw = sampling_kwargs(req, max_tokens, default_max_tokens, srv.limits.max_tokens_cap, max_tokens_param)
+    kw["method"] = req.method or srv.method
+    return kw
+
+
+def _add_generation_routes(app, srv: _Server) -> None:
+    from fastapi import Request
+
+    from .api_schema import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, chat_chunk,
+                             chat_messages, chat_response, completion_chunk, completion_prompt, completion_response,
+                             new_id, stats, usage)
+    chat_default = srv.limits.default_max_tokens or srv.max_context
+    completions_default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, chat_default)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        kw = engine_kwargs(req, max_tokens, max_context)
+        newer = req.max_completion_tokens is not None
+        kw = _engine_kwargs(srv, req, req.max_completion_tokens if newer else req.max_tokens,
+                            "max_completion_tokens" if newer else "max_tokens", chat_default)
         kw["messages"] = chat_messages(req)
-        gen = await start(request, kw, bool(req.stream))
+        gen = await _start(srv, request, kw, bool(req.stream))
+        name = srv.model_name
         if not req.stream:
-            return chat_response(new_id("chatcmpl"), model_name, await finish(request, gen))
-        first = await first_event(request, gen)
+            return chat_response(new_id("chatcmpl"), name, await _finish(request, gen))
+        first = await _first_event(request, gen)
         rid, t0 = new_id("chatcmpl"), int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         role_sent = False
 
-        def render(chunk: StreamChunk):
+        def render(chunk):
             nonlocal role_sent
             if not role_sent:
                 role_sent = True
-                yield chat_chunk(rid, model_name, t0, {"role": "assistant", "content": ""})
+                yield chat_chunk(rid, name, t0, {"role": "assistant", "content": ""})
             if chunk.text:
-                yield chat_chunk(rid, model_name, t0, {"content": chunk.text})
+                yield chat_chunk(rid, name, t0, {"content": chunk.text})
             if chunk.result is not None:
-                yield {**chat_chunk(rid, model_name, t0, {}, chunk.result.finish_reason), "eaglespec": stats(chunk.result)}
+                yield {**chat_chunk(rid, name, t0, {}, chunk.result.finish_reason), "eaglespec": stats(chunk.result)}
                 if include_usage:
-                    yield {**chat_chunk(rid, model_name, t0, {}), "choices": [],
+                    yield {**chat_chunk(rid, name, t0, {}), "choices": [],
                            "usage": usage(chunk.result.prompt_tokens, chunk.result.new_tokens)}
-        return streaming(gen, first, render)
+        return _streaming(gen, first, render)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        kw = engine_kwargs(req, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        kw = _engine_kwargs(srv, req, req.max_tokens, "max_tokens", completions_default)
         kw.update(completion_prompt(req))
-        gen = await start(request, kw, bool(req.stream))
+        gen = await _start(srv, request, kw, bool(req.stream))
+        name = srv.model_name
         if not req.stream:
-            return completion_response(new_id("cmpl"), model_name, await finish(request, gen))
-        first = await first_event(request, gen)
+            return completion_response(new_id("cmpl"), name, await _finish(request, gen))
+        first = await _first_event(request, gen)
         rid, t0 = new_id("cmpl"), int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def render(chunk: StreamChunk):
+        def render(chunk):
             if chunk.text:
-                yield completion_chunk(rid, model_name, t0, chunk.text)
+                yield completion_chunk(rid, name, t0, chunk.text)
             if chunk.result is not None:
-                yield {**completion_chunk(rid, model_name, t0, "", chunk.result.finish_reason),
+                yield {**completion_chunk(rid, name, t0, "", chunk.result.finish_reason),
                        "eaglespec": stats(chunk.result)}
                 if include_usage:
-                    yield {**completion_chunk(rid, model_name, t0, ""), "choices": [],
+                    yield {**completion_chunk(rid, name, t0, ""), "choices": [],
                            "usage": usage(chunk.result.prompt_tokens, chunk.result.new_tokens)}
-        return streaming(gen, first, render)
+        return _streaming(gen, first, render)
 
-    gate = Gate(app, api_key, metrics)
-    gate.state = app.state
-    return gate
+
+def _wrap(app, srv: _Server, api_key: str | None, allow_origins: list[str] | None):
+    """The middleware around the routes: the gate (key, body limit, counting), then CORS outside it, so
+    that a browser's preflight (which carries no key) is answered."""
+    outer = Gate(app, api_key, srv.metrics, srv.limits.max_body_bytes)
+    if allow_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        outer = CORSMiddleware(outer, allow_origins=list(allow_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                               allow_headers=["Authorization", "Content-Type"], max_age=600)
+    outer.state = app.state
+    return outer
 
 
 def _validation_message(errors) -> tuple[str, str, "str | None"]:

@@ -1,5 +1,6 @@
 """Tiny randomly initialised models for tests: Hugging Face folders (config.json + safetensors +
-tokenizer with a ChatML template) for each supported family, built in seconds, no downloads."""
+tokenizer with a ChatML template) for each supported family, built in seconds, no downloads; and
+`oracle_pair`, a tiny target with a head whose drafts are usually accepted (tests and `eaglespec fuzz --tiny`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -67,3 +68,36 @@ def make_tiny_checkpoint(folder: str | Path, family: str = "llama", vocab_size: 
     model.save_pretrained(str(folder), safe_serialization=True)
     tiny_tokenizer(vocab_size).save_pretrained(str(folder))
     return folder
+
+
+def oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0, logit_scale: float = 1.0,
+                **arg_overrides) -> tuple:
+    """A one-layer target and a head that copies its layer, so the head's drafts are usually right.
+
+    Embedding rows have unit RMS, so the target's input norm is the identity and the head (which has
+    no input norm, and reads only the token embedding through fc = [I | 0]) computes the target's
+    pre-norm hidden state; the final norm's weight is 1, so both rank tokens alike. What still
+    differs: the head never sees the first prompt token, and `noise` perturbs its weights, so drafts
+    get rejected now and then and accepted paths vary. `logit_scale` makes the target peakier.
+    """
+    from .head import random_head
+    from .model import ModelArgs, Transformer
+    args = ModelArgs(**{**dict(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512),
+                        **arg_overrides})
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = Transformer(args)
+        emb = model.embed_tokens.weight
+        emb /= emb.pow(2).mean(-1, keepdim=True).sqrt()
+        model.lm_head.weight *= logit_scale
+        head = random_head(args, seed=seed)
+        h = args.hidden_size
+        head.fc.weight.zero_()
+        head.fc.weight[:, :h] = torch.eye(h)
+        head.fc.bias.zero_()
+        for name in ("self_attn", "post_attention_layernorm", "mlp"):
+            getattr(head.layers[0], name).load_state_dict(getattr(model.layers[0], name).state_dict())
+        for p in head.parameters():
+            p += noise * p.std() * torch.randn_like(p)
+    return model.eval().requires_grad_(False), head.eval().requires_grad_(False)

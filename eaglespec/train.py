@@ -36,6 +36,7 @@ from .head import EagleHead, load_head, random_head
 from .model import rotate_half
 
 EVAL_DEPTHS = 4
+DEFAULT_WARMUP = 100
 CE_CHUNK = 512  # rows of logits alive at once (chunk x vocab floats, a few of them)
 
 
@@ -52,7 +53,7 @@ def add_cli(sub) -> None:
     o = p.add_argument_group("objective")
     o.add_argument("--feature-weight", type=float, default=1.0, help="weight of the SmoothL1 feature loss")
     o.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy to the target's distribution")
-    o.add_argument("--loss-weights", default=None, metavar="F,C", help="shorthand for --feature-weight F --ce-weight C")
+    o.add_argument("--loss-weights", default=None, metavar="F,C", help="shorthand for --feature-weight F --ce-weight C (default: unset)")
     o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features")
     o.add_argument("--no-fc-bias", action="store_true", help="fc without bias (as the LLaMA3 heads; vLLM drops it)")
     o.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -61,16 +62,21 @@ def add_cli(sub) -> None:
     t = p.add_argument_group("optimisation")
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--weight-decay", type=float, default=0.0)
-    t.add_argument("--warmup-steps", type=int, default=100, help="linear warm-up, then linear decay to 0")
+    t.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"linear warm-up, then linear decay to 0 (default: {DEFAULT_WARMUP}, or a tenth of the run "
+                        "when the run is too short to reach the peak after it)")
     t.add_argument("--clip", type=float, default=0.5, help="gradient clipping threshold (0 = off)")
     t.add_argument("--clip-mode", default="value", choices=["value", "norm"],
                    help="clip each gradient element (official EAGLE) or the global norm")
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (per process)")
-    t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps")
+    t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps (default: all epochs)")
     r = p.add_argument_group("run")
     r.add_argument("--out", required=True, help="output folder")
     r.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
+    r.add_argument("--replan", action="store_true",
+                   help="with --resume: accept a changed plan (--epochs, --max-steps, --lr, --warmup-steps); the "
+                        "learning rate follows the new schedule from the current step and OUT/head is overwritten")
     r.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at each epoch end)")
     r.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (and at each epoch end)")
     r.add_argument("--seed", type=int, default=0)
@@ -388,6 +394,36 @@ def setup_distributed(device_arg: str | None):
     return rank, world, device
 
 
+def plan_warmup(requested: int | None, total_steps: int, log=print) -> int:
+    """The warm-up steps to use. With 100 warm-up steps a 6-step run never gets past 6% of --lr and
+    learns nothing: the default scales down to a tenth of the run then, an explicit value is kept and
+    warned about."""
+    if requested is None:
+        if DEFAULT_WARMUP < total_steps:
+            return DEFAULT_WARMUP
+        warmup = max(1, total_steps // 10)
+        log(f"note: the run has {total_steps} steps, too few for the default {DEFAULT_WARMUP} warm-up steps: "
+            f"warming up over {warmup} instead (--warmup-steps sets it)")
+        return warmup
+    if requested >= total_steps:
+        log(f"warning: --warmup-steps {requested} >= the run's {total_steps} steps: the learning rate never reaches "
+            f"--lr (at most {lr_at(total_steps - 1, 1.0, requested, total_steps):.0%} of it); lower --warmup-steps")
+    return requested
+
+
+def check_plan(saved: dict, plan: dict, out: Path, replan: bool, log=print) -> None:
+    """A resume continues the saved schedule. Another plan (more --epochs for a finished run, say) would
+    silently re-plan the learning rate and overwrite the head: only with --replan."""
+    before = saved.get("plan")
+    if before is None or before == plan:  # checkpoints from before plans were saved are taken as they are
+        return
+    changed = ", ".join(f"{k} {before.get(k)} -> {plan[k]}" for k in plan if before.get(k) != plan[k])
+    if not replan:
+        raise ValueError(f"the run in {out} was planned otherwise ({changed}): resuming would re-plan the learning "
+                         "rate and overwrite its head; add --replan to do that, or train into another --out")
+    log(f"--replan: {changed}; the learning rate follows the new schedule from here")
+
+
 def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
     """Linear warm-up over `warmup` steps, then linear decay to 0 at `total` (EAGLE's schedule)."""
     if step < warmup:
@@ -420,7 +456,7 @@ def validate(args) -> None:
                    epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
                    eval_conversations=args.eval_conversations)
     for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps", "draft_vocab"):
-        if getattr(args, name) < 0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.held_out < 1:
         raise ValueError(f"--held-out must be in [0, 1), got {args.held_out}")
@@ -477,6 +513,9 @@ def _train(args, weights, rank: int, world: int) -> int:
         if ignored:
             log(f"note: {', '.join(ignored)} ignored: the data come from {store.folder}")
     target, tokenizer, _ = load_model(args)
+    if args.draft_vocab > target.args.vocab_size:  # before any data is read
+        raise ValueError(f"--draft-vocab {args.draft_vocab} is larger than the target's vocabulary "
+                         f"({target.args.vocab_size:,} tokens): use at most that, or 0 for the whole vocabulary")
     device = target.embed_tokens.weight.device
     if store is not None:
         m = store.manifest
@@ -513,6 +552,8 @@ def _train(args, weights, rank: int, world: int) -> int:
         raise ValueError(f"too little data for one step: {len(epoch_batches[0])} batches for {world} process(es) "
                          f"x grad-accum {args.grad_accum}; lower --batch-tokens or add data")
     total_steps = min(sum(steps_per_epoch), args.max_steps or sum(steps_per_epoch))
+    args.warmup_steps = plan_warmup(args.warmup_steps, total_steps, log)
+    plan = {"epochs": args.epochs, "total_steps": total_steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
     data_fp = fingerprint_data(train_src.lengths, eval_rows)
     train_tokens = sum(train_src.lengths)
     log(f"train: {len(train_rows):,} conversations ({train_tokens:,} tokens), held-out {len(held_rows):,} "
@@ -537,6 +578,7 @@ def _train(args, weights, rank: int, world: int) -> int:
         if saved.get("data_fingerprint") != data_fp:
             raise ValueError(f"the checkpoint in {out} was trained on other data: resume with the same "
                              "--data/--max-conversations/--max-len/--features-dir/--seed/--held-out")
+        check_plan(saved, plan, out, args.resume and args.replan, log)
         if saved.get("micro_batches_per_step") != per_step:
             raise ValueError(f"the checkpoint used {saved.get('micro_batches_per_step')} micro-batches per step "
                              f"(processes x grad-accum), this run {per_step}")
@@ -590,7 +632,7 @@ def _train(args, weights, rank: int, world: int) -> int:
         state["wall_time"] = wall_before + (time.perf_counter() - session_start)
         if rank == 0:
             save_checkpoint(out, head, opt, {**state, "data_fingerprint": data_fp,
-                                             "micro_batches_per_step": per_step}, extra)
+                                             "micro_batches_per_step": per_step, "plan": plan}, extra)
 
     wall_before = state["wall_time"]
     session_start = time.perf_counter()

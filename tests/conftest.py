@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random checkpoints, and a target/head pair whose drafts are usually right."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,10 @@ from eaglespec.testing import make_tiny_checkpoint, oracle_pair
 # Test models are tiny, so every op is overhead; on a shared 2-core machine a second OpenMP thread
 # only spins against the other processes (measured 20-50x slower decoding with 2 threads).
 torch.set_num_threads(1)
+
+# The CLI compiles by default (the fast path); on tiny test models a compile only costs time, so CLI
+# tests run eager unless they pass --compile. tests/test_compiled.py and test_cli_defaults cover compiling.
+os.environ.setdefault("EAGLESPEC_EAGER", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,185 @@
+"""The cost model and the per-round tree policy: tree sizes follow the cost table, and every policy
+is lossless (greedy identical to plain decoding, sampling follows the target's distribution)."""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from eaglespec import costmodel
+from eaglespec.cli import main, resolve_compile, tree_config
+from eaglespec.costmodel import CostTable, TreePolicy
+from eaglespec.engine import Engine
+from eaglespec.tree import TreeConfig
+
+BUCKETS = (4, 8, 12, 16)
+
+
+def table(verify_ms: dict[int, float], first: float = 1.0, step: float = 1.0) -> CostTable:
+    return CostTable(verify_ms, first, step, {"mode": "synthetic"})
+
+
+FREE = table({n: 10.0 for n in (1, 2, 4, 8, 12, 16, 24, 32)}, first=0.1, step=0.1)   # verifying costs nothing extra
+STEEP = table({n: 10.0 * n for n in (1, 2, 4, 8, 12, 16, 24, 32)}, first=0.1, step=0.1)  # every token costs a step
+
+
+def candidates(depth: int, k: int = 4, p: float = 0.5):
+    """A full k-ary candidate set to `depth`, each child with draft probability p: scores and depths lists."""
+    scores, depths = [], []
+    for d in range(1, depth + 1):
+        n = k if d == 1 else k * k
+        scores += [d * math.log(p)] * n
+        depths += [d] * n
+    return scores, depths
+
+
+def chain_like(depth: int, k: int = 4, p: float = 0.95):
+    """Candidates where one child per depth is almost surely right and its siblings almost surely wrong:
+    here depth pays, if drafting it is cheap."""
+    scores, depths = [], []
+    for d in range(1, depth + 1):
+        n = k if d == 1 else k * k
+        scores += [d * math.log(p)] + [d * math.log(p) + math.log(0.01)] * (n - 1)
+        depths += [d] * n
+    return scores, depths
+
+
+def test_free_verification_picks_the_largest_tree_and_a_steep_cost_the_smallest():
+    scores, depths = candidates(depth=4)
+    n_free, keep_free = TreePolicy(FREE, BUCKETS, max_depth=5).choose(scores, depths, 4)
+    n_steep, keep_steep = TreePolicy(STEEP, BUCKETS, max_depth=5).choose(scores, depths, 4)
+    assert n_free == max(BUCKETS) and len(keep_free) == max(BUCKETS) - 1
+    assert n_steep == min(BUCKETS) and len(keep_steep) == min(BUCKETS) - 1
+
+
+def test_the_kept_candidates_form_a_connected_tree():
+    """The policy keeps the best-scoring candidates; a child never outscores its parent, so the parents of
+    every kept candidate are kept (checked on a drafted candidate set)."""
+    torch.manual_seed(0)
+    scores, depths = [], []
+    parents = []
+    for d in range(1, 4):
+        for i in range(4 if d == 1 else 16):
+            # depth 1: the root's 4 children; depth 2: 4 children of each; depth 3: children of candidates 4..7
+            parent = -1 if d == 1 else (i // 4 if d == 2 else 4 + i // 4)
+            base = 0.0 if parent < 0 else scores[parent]
+            parents.append(parent)
+            scores.append(base + math.log(torch.rand(()).item() * 0.9 + 0.05))
+            depths.append(d)
+    _, keep = TreePolicy(FREE, BUCKETS, max_depth=5).choose(scores, depths, 3)
+    kept = set(keep)
+    assert all(parents[i] < 0 or parents[i] in kept for i in keep)
+
+
+def test_depth_follows_the_cost_of_drafting():
+    """Cheap drafting with free verification drifts deeper; drafting that costs more than it can win
+    drifts to depth 1."""
+    cheap = TreePolicy(table({n: 10.0 for n in (1, 4, 8, 12, 16)}, first=0.1, step=0.01), BUCKETS, max_depth=5)
+    dear = TreePolicy(table({n: 10.0 for n in (1, 4, 8, 12, 16)}, first=0.1, step=100.0), BUCKETS, max_depth=5)
+    for _ in range(30):
+        cheap.choose(*chain_like(cheap.depth()), cheap.depth())
+        dear.choose(*chain_like(dear.depth()), dear.depth())
+    assert cheap.depth_estimate > 3.5 and dear.depth_estimate < 1.5
+
+
+def test_calibration_learns_observed_acceptance():
+    """Drafts that are never accepted (whatever their scores say) lower the policy's factor for depth 1."""
+    policy = TreePolicy(FREE, BUCKETS, max_depth=5)
+    for _ in range(200):
+        policy.observe([math.log(0.9)] * 3, [1, 1, 1], accepted_depth=0)
+    assert policy.factor(1) < 0.2
+
+
+def test_table_round_trips_and_interpolates(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    t = table({1: 10.0, 8: 17.0, 16: 30.0}, 2.0, 1.0)
+    back = CostTable.from_json(json.loads(json.dumps(t.to_json())))
+    assert back.verify_ms == t.verify_ms and back.t_draft(3) == t.t_draft(3) == 4.0
+    assert t.t_verify(12) == pytest.approx(23.5)
+    assert t.ratios()[16] == pytest.approx(3.0)
+    path = costmodel.save_table(t)
+    assert path.is_file() and json.loads(path.read_text())["ratios"]["8"] == 1.7
+
+
+@pytest.fixture(scope="module")
+def good(make_oracle_pair):
+    model, head = make_oracle_pair(vocab_size=64, logit_scale=2.0, noise=0.3)
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in range(3, 13)]
+    plain = Engine(model)
+    want = [plain.generate(input_ids=p, method="vanilla", max_new_tokens=24, ignore_eos=True).token_ids for p in prompts]
+    return model, head, prompts, want
+
+
+@pytest.mark.parametrize("cost", ["free", "steep", "measured"])
+def test_every_policy_is_greedy_lossless(cost, good, same_or_tie):
+    model, head, prompts, want = good
+    tab = {"free": FREE, "steep": STEEP, "measured": None}[cost]
+    engine = Engine(model, head=head, tree=TreeConfig(auto=True, depth=5, total_tokens=16), cost_table=tab)
+    sizes = Counter()
+    for p, w in zip(prompts, want):
+        r = engine.generate(input_ids=p, max_new_tokens=24, ignore_eos=True)
+        same_or_tie(model, p, r.token_ids, w)
+        sizes[r.tree_tokens / r.target_forwards] += 1
+    assert engine.policy is not None and engine.policy.rounds > 0
+    mean = sum(k * v for k, v in sizes.items()) / sum(sizes.values())
+    if cost == "free":
+        assert mean > 12  # close to the largest bucket
+    if cost == "steep":
+        assert mean == pytest.approx(4.0)  # the smallest bucket, every round
+
+
+def test_auto_policy_sampling_follows_the_target(make_oracle_pair):
+    """Sampling with the cost-model tree still draws the target's exact joint distribution."""
+    from test_lossless import SAMPLING, chi_square_pvalue, exact_continuations
+    params = SAMPLING["t1"]
+    model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
+    engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8, auto=True),
+                    cost_table=table({n: 10.0 + n for n in (1, 4, 8)}, 0.1, 0.1))
+    prompt = [1, 2, 3]
+    expected = exact_continuations(model, prompt, 3, params)
+    counts = Counter()
+    for seed in range(1500):
+        r = engine.generate(input_ids=prompt, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
+        counts[tuple(r.token_ids)] += 1
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_cli_tree_size_and_compile_flags(monkeypatch, capsys):
+    import argparse
+    ns = argparse.Namespace(tree="dynamic", top_k_draft=None, depth=None, total_tokens=None, tree_size="auto")
+    assert tree_config(ns).auto
+    ns.tree_size = "8"
+    assert tree_config(ns) == TreeConfig(total_tokens=8)
+    ns.tree, ns.tree_size = "static", "auto"
+    assert not tree_config(ns).auto
+    ns.tree_size = "big"
+    with pytest.raises(ValueError, match="--tree-size"):
+        tree_config(ns)
+    flags = argparse.Namespace(compile=None, eager=False)
+    monkeypatch.delenv("EAGLESPEC_EAGER", raising=False)
+    monkeypatch.setattr("eaglespec.compiled.compiler_available", lambda: None)
+    assert resolve_compile(flags) is True  # compiled is the default
+    monkeypatch.setattr("eaglespec.compiled.compiler_available", lambda: "no C++ compiler found")
+    assert resolve_compile(flags) is False
+    assert "running eager" in capsys.readouterr().err
+    assert resolve_compile(argparse.Namespace(compile=None, eager=True)) is False
+    with pytest.raises(ValueError, match="contradict"):
+        resolve_compile(argparse.Namespace(compile=True, eager=True))
+
+
+def test_calibrate_command(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    model = str(tiny_checkpoint("llama"))
+    argv = ["calibrate", "--model", model, "--head", "random", "--device", "cpu", "--eager", "--reps", "2",
+            "--context", "32", "--sizes", "1,4,8"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["verify_ms"]) == {"1", "4", "8"} and out["ratios"]["1"] == 1.0 and out["draft_first_ms"] > 0
+    assert list((tmp_path / "calibration").glob("*.json"))
+    assert main(argv) == 0
+    assert "T(n)/T(1)" in capsys.readouterr().out
+    assert main(argv[:-1] + ["1,x"]) == 2
+    assert "--sizes" in capsys.readouterr().err

@@ -238,11 +238,20 @@ class Engine:
     # ---- the static-shape calls (compiled or eager; see compiled.py) -------------------------------
 
     def _target_fn(self, tokens, positions, *, slots, mask):
-        feats, logits = self.model(tokens, positions, mask=mask, cache_start=slots)
+        feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
         return feats[0], logits[0], logits[0].argmax(-1)
 
+    def _target_forward(self, tokens, positions, **kw):
+        """The target's forward, returning (what the head feeds on, logits): its final features for an
+        EAGLE-1 head, the concatenated hidden states entering the head's three layers for EAGLE-3."""
+        aux = getattr(self.head, "aux_layers", None)
+        if aux is None:
+            return self.model(tokens, positions, **kw)
+        _, logits, hidden = self.model(tokens, positions, aux_layers=aux, **kw)
+        return hidden, logits
+
     def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax((hidden @ self._draft_weight.T).float(), dim=-1)
+        return torch.log_softmax(self.head.draft_logits(hidden, self._draft_weight).float(), dim=-1)
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self._draft_ids is None else self._draft_ids[ids]
@@ -250,14 +259,14 @@ class Engine:
     def _catchup_fn(self, tokens, hidden, positions, last, *, slots, mask):
         """The head on the tokens just accepted (padded to a fixed count), fused with depth 1: the
         root's predicted hidden state and its top-k."""
-        out = self.head(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
+        out = self.head.first(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
         root = out.index_select(0, last)
         scores, ids = self._draft_logprobs(root).topk(self.tree.draft_top_k, dim=-1)
         return root[0], scores[0], self._to_target_ids(ids[0])
 
     def _expand_fn(self, tokens, hidden, positions, scores, *, slots, mask):
         """One depth: the frontier through the head, each row's top-k, the k best children overall."""
-        out = self.head(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
+        out = self.head.step(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
         k = self.tree.draft_top_k
         lp, ids = self._draft_logprobs(out).topk(k, dim=-1)
         cum = lp + scores[:, None]
@@ -284,7 +293,7 @@ class Engine:
     def _prefill(self, ids: list[int], timers: _Timers):
         t0 = time.perf_counter()
         x = torch.tensor([ids], device=self.device)
-        feats, logits = self.model(x, torch.arange(len(ids), device=self.device)[None], cache_start=0)
+        feats, logits = self._target_forward(x, torch.arange(len(ids), device=self.device)[None], cache_start=0)
         _sync(self.device)
         timers.prefill += time.perf_counter() - t0
         return feats[0], logits[0, -1]
@@ -328,8 +337,8 @@ class Engine:
     def _head_prefill(self, ids: list[int], root: int, feats: torch.Tensor):
         dev = self.device
         head_tokens = torch.tensor([ids[1:] + [root]], device=dev)
-        h = self.head(self.model.embed_tokens(head_tokens), feats[None], torch.arange(len(ids), device=dev)[None],
-                      cache_start=0)
+        h = self.head.first(self.model.embed_tokens(head_tokens), feats[None],
+                            torch.arange(len(ids), device=dev)[None], cache_start=0)
         root_hidden = h[0, -1]
         scores, idx = self._draft_logprobs(root_hidden[None]).topk(self.tree.draft_top_k, dim=-1)
         return root_hidden, scores[0], self._to_target_ids(idx[0])
@@ -457,6 +466,7 @@ class Engine:
     def time_draft_call(self, which: str, context: int, frontier: int | None = None) -> None:
         dev, h = self.device, self.model.args.hidden_size
         if which == "first":
+            h *= len(getattr(self.head, "aux_layers", None) or (0,))  # EAGLE-3 feeds on three target layers
             p = self._pad
             feats = torch.zeros(p + 1, h, device=dev, dtype=self.model.embed_tokens.weight.dtype)
             self._catchup([0] * 2, feats, torch.zeros(p, dtype=torch.long, device=dev), context)[2].tolist()

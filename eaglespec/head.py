@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .model import DecoderLayer, KVCache, ModelArgs, Rotary, causal_mask
+from .model import (MLP, Attention, DecoderLayer, KVCache, ModelArgs, RMSNorm, Rotary, causal_mask,
+                    check_aux_layers, default_aux_layers)
 
 
 def head_args(target: ModelArgs) -> ModelArgs:
@@ -68,6 +69,25 @@ class EagleHead(nn.Module):
         mask = causal_mask(x.shape[1], cache_start, x.device) if cache is not None and mask is None else mask
         return self.layers[0](x, cos, sin, mask, cache, 0 if cache_start is None else cache_start)
 
+    # ---- the drafting interface shared with Eagle3Head ---------------------------------------------
+    # first(): the head on the target's own features (catch-up after a verification, prefill);
+    # step(): on the head's own previous output (tree depths >= 2); both return the hidden state the
+    # next step feeds on. draft_logits(): that hidden state's logits over the draft vocabulary.
+    # EAGLE-1 feeds its predicted feature where the target's went, so first and step coincide.
+
+    arch = "eagle"
+    aux_layers = None  # the target's final feature, not intermediate layers
+
+    def first(self, token_embeds, target_hidden, positions, mask=None, cache_start=None) -> torch.Tensor:
+        return self(token_embeds, target_hidden, positions, mask, cache_start)
+
+    def step(self, token_embeds, hidden, positions, mask=None, cache_start=None) -> torch.Tensor:
+        return self(token_embeds, hidden, positions, mask, cache_start)
+
+    def draft_logits(self, hidden: torch.Tensor, target_lm_rows: torch.Tensor) -> torch.Tensor:
+        """The borrowed LM head: `target_lm_rows` are the target's LM head rows of the draft vocabulary."""
+        return hidden @ target_lm_rows.T
+
     # ---- checkpoint format ----------------------------------------------------------------------
 
     def hf_config(self) -> dict:
@@ -105,6 +125,141 @@ class EagleHead(nn.Module):
         (folder / "config.json").write_text(json.dumps({**self.hf_config(), **(extra_config or {})}, indent=2))
 
 
+def eagle3_head_args(target: ModelArgs) -> ModelArgs:
+    """EAGLE-3's draft layer: the target's attention shape, a dense MLP, no qkv bias (the official
+    Llama layout, which SGLang and vLLM load), no q/k norm."""
+    return dataclasses.replace(head_args(target), qkv_bias=False)
+
+
+class Eagle3Layer(nn.Module):
+    """The EAGLE-3 decoder layer (`midlayer`): attention over cat(input_layernorm(embed), hidden_norm(h))
+    (2H wide), residual h, then the usual post-attention norm and gated MLP."""
+
+    def __init__(self, args: ModelArgs, norm_before_residual: bool = False):
+        super().__init__()
+        h = args.hidden_size
+        self.self_attn = Attention(args, 0)
+        # q/k/v read the 2H concatenation; o_proj writes back H (Attention builds them H wide).
+        attn = self.self_attn
+        attn.q_proj = nn.Linear(2 * h, attn.n_heads * attn.hd, bias=args.qkv_bias)
+        attn.k_proj = nn.Linear(2 * h, attn.n_kv * attn.hd, bias=args.qkv_bias)
+        attn.v_proj = nn.Linear(2 * h, attn.n_kv * attn.hd, bias=args.qkv_bias)
+        self.input_layernorm = RMSNorm(h, args.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, args.rms_norm_eps)
+        self.mlp = MLP(h, args.intermediate_size)
+        # Some SpecForge/speculators heads use the normed h as the residual (vLLM's `norm_before_residual`).
+        self.norm_before_residual = norm_before_residual
+
+    def attn_input(self, embeds: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the 2H attention input, the residual)."""
+        hn = self.hidden_norm(h)
+        return torch.cat((self.input_layernorm(embeds), hn), dim=-1), (hn if self.norm_before_residual else h)
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        x = residual + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, embeds, h, cos, sin, mask, cache, cache_start):
+        x, residual = self.attn_input(embeds, h)
+        return self.finish(residual, self.self_attn(x, cos, sin, mask, cache, cache_start))
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 draft head: fc(3H -> H) fuses three target layers; one `midlayer`; its own `norm` and
+    `lm_head` over the draft vocabulary. From the second draft step on it feeds on its own pre-norm
+    output. State-dict keys and config.json follow the official EAGLE-3 checkpoints (fc.weight,
+    midlayer.*, norm.weight, lm_head.weight, d2t, t2d; architectures LlamaForCausalLMEagle3).
+
+    draft_vocab: target ids the head drafts (ascending), None = the whole vocabulary (d2t all zero).
+    aux_layers: the three target layers whose entering hidden states fc fuses (see `default_aux_layers`)."""
+
+    arch = "eagle3"
+
+    def __init__(self, args: ModelArgs, aux_layers: tuple[int, int, int], draft_vocab: torch.Tensor | None = None,
+                 norm_before_residual: bool = False):
+        super().__init__()
+        self.args = args
+        h = args.hidden_size
+        ids = torch.arange(args.vocab_size) if draft_vocab is None else \
+            check_draft_vocab(torch.as_tensor(draft_vocab, dtype=torch.long), args.vocab_size)
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.midlayer = Eagle3Layer(args, norm_before_residual)
+        self.norm = RMSNorm(h, args.rms_norm_eps)
+        self.lm_head = nn.Linear(h, ids.numel(), bias=False)
+        self.register_buffer("d2t", ids - torch.arange(ids.numel()))  # target id = index + d2t[index]
+        t2d = torch.zeros(args.vocab_size, dtype=torch.bool)
+        t2d[ids] = True
+        self.register_buffer("t2d", t2d)
+        self.aux_layers = tuple(int(i) for i in aux_layers)
+        self.rotary = Rotary(args)
+        self.cache: KVCache | None = None
+
+    @property
+    def draft_ids(self) -> torch.Tensor | None:
+        """Target ids of the draft vocabulary; None when it is the whole vocabulary in order."""
+        if self.d2t.numel() == self.args.vocab_size and not bool(self.d2t.any()):
+            return None
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
+
+    def setup_cache(self, max_len: int, batch: int = 1):
+        w = self.fc.weight
+        self.cache = KVCache(1, batch, self.args.num_key_value_heads, max_len, self.args.head_dim, w.dtype, w.device)
+
+    def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(target_hidden.to(self.fc.weight.dtype))
+
+    def first(self, token_embeds, target_hidden, positions, mask=None, cache_start=None) -> torch.Tensor:
+        """target_hidden (B, T, 3H): the target's aux layers; returns the pre-norm output (B, T, H)."""
+        return self.step(token_embeds, self.fuse(target_hidden), positions, mask, cache_start)
+
+    def step(self, token_embeds, hidden, positions, mask=None, cache_start=None) -> torch.Tensor:
+        """hidden (B, T, H): the head's own previous output (or fc's fusion of the target's layers)."""
+        cos, sin = self.rotary(positions, hidden.dtype)
+        cache = self.cache if cache_start is not None else None
+        mask = causal_mask(hidden.shape[1], cache_start, hidden.device) if cache is not None and mask is None else mask
+        return self.midlayer(token_embeds.to(hidden.dtype), hidden, cos, sin, mask, cache,
+                             0 if cache_start is None else cache_start)
+
+    forward = first
+
+    def draft_logits(self, hidden: torch.Tensor, target_lm_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Its own LM head over the draft vocabulary (`target_lm_rows` is unused: the interface is EAGLE-1's)."""
+        return self.lm_head(self.norm(hidden))
+
+    # ---- checkpoint format ----------------------------------------------------------------------
+
+    def hf_config(self) -> dict:
+        a, aux = self.args, self.aux_layers
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": a.hidden_size,
+            "target_hidden_size": a.hidden_size,  # fc reads 3 x this (SpecForge, vLLM)
+            "intermediate_size": a.intermediate_size,
+            "num_attention_heads": a.num_attention_heads,
+            "num_key_value_heads": a.num_key_value_heads,
+            "head_dim": a.head_dim,
+            "num_hidden_layers": 1,
+            "vocab_size": a.vocab_size,
+            "draft_vocab_size": int(self.d2t.numel()),
+            "rms_norm_eps": a.rms_norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": a.rope_scaling,
+            "max_position_embeddings": a.max_position_embeddings,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "norm_before_residual": self.midlayer.norm_before_residual,
+            "torch_dtype": "float32",
+            # SGLang/SpecForge name a layer by the one whose *output* is taken (SGLang adds 1 to capture
+            # the hidden state entering the next): ours enter `aux`, so they are aux - 1. vLLM ignores
+            # this nested key and uses its default, the same layers when `aux` is the default.
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux], "use_aux_hidden_state": True},
+        }
+
+    save = EagleHead.save
+
+
 def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if ids.ndim != 1 or ids.numel() == 0:
         raise ValueError("a draft vocabulary must be a non-empty list of token ids")
@@ -121,29 +276,34 @@ def random_head(target: ModelArgs, seed: int = 0, bias: bool = True, draft_vocab
         return EagleHead(head_args(target), bias=bias, draft_vocab=draft_vocab)
 
 
-def load_head(path: str | Path, target: ModelArgs) -> EagleHead:
-    """Load a head folder (config.json + model.safetensors or pytorch_model.bin), checked against the target."""
+def random_eagle3_head(target: ModelArgs, seed: int = 0, draft_vocab=None, aux_layers=None) -> Eagle3Head:
+    """aux_layers: default EAGLE-3's (2, L//2, L-3) of the target's L layers."""
+    aux = check_aux_layers(aux_layers if aux_layers is not None else default_aux_layers(target.num_hidden_layers),
+                           target.num_hidden_layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Eagle3Head(eagle3_head_args(target), aux, draft_vocab=draft_vocab)
+
+
+def load_head(path: str | Path, target: ModelArgs) -> EagleHead | Eagle3Head:
+    """Load a head folder (config.json + model.safetensors or pytorch_model.bin), checked against the
+    target: an EAGLE-1/2 head (`layers.0.*`) or an EAGLE-3 head (`midlayer.*`), whichever it holds."""
     path = Path(path).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file():
         if (path / "head" / "config.json").is_file():  # `eaglespec train --out` folders keep it in head/
             raise ValueError(f"{path} is a training run, not a head: its head is {path / 'head'} "
                              f"(--head {path / 'head'})")
         raise ValueError(f"head not found: {path} (expected a folder with config.json and model.safetensors)")
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-    for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-        if key in cfg and cfg[key] != want:
-            raise ValueError(f"head {path} does not fit the target: {key} {cfg[key]} != target's {want}")
-    if (path / "model.safetensors").is_file():
-        sd = load_file(str(path / "model.safetensors"))
-    elif (path / "pytorch_model.bin").is_file():
-        sd = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    else:
-        raise ValueError(f"head {path} has no model.safetensors or pytorch_model.bin")
-    sd = {k.removeprefix("model."): v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
-    args = head_args(target)
+    # every published layout (official EAGLE-1/2/3, SpecForge, speculators) read without pickle, mapped onto
+    # our keys and checked against the target's sizes: eaglespec/formats.py
+    from .formats import read_head
+    cfg, sd = read_head(path, target)
+    eagle3_keys = any(k.startswith("midlayer.") for k in sd)
+    eagle3_config = "LlamaForCausalLMEagle3" in (cfg.get("architectures") or [])
+    if eagle3_config and not eagle3_keys:
+        raise ValueError(f"head {path}: config.json says LlamaForCausalLMEagle3 but its weights hold no midlayer.* "
+                         "(not an EAGLE-3 checkpoint)")
+    args = eagle3_head_args(target) if eagle3_keys else head_args(target)
     args = dataclasses.replace(
         args,
         intermediate_size=cfg.get("intermediate_size", args.intermediate_size),
@@ -152,7 +312,7 @@ def load_head(path: str | Path, target: ModelArgs) -> EagleHead:
         head_dim=cfg.get("head_dim") or cfg.get("hidden_size", args.hidden_size) // cfg.get("num_attention_heads", args.num_attention_heads),
         rms_norm_eps=cfg.get("rms_norm_eps", args.rms_norm_eps),
         rope_theta=float(cfg.get("rope_theta", args.rope_theta)),
-        qkv_bias="layers.0.self_attn.q_proj.bias" in sd,
+        qkv_bias=("midlayer" if eagle3_keys else "layers.0") + ".self_attn.q_proj.bias" in sd,
     )
     draft_vocab = None
     if "d2t" in sd:
@@ -162,8 +322,18 @@ def load_head(path: str | Path, target: ModelArgs) -> EagleHead:
             check_draft_vocab(draft_vocab, target.vocab_size)
         except ValueError as e:
             raise ValueError(f"head {path} does not fit the target: {e}") from None
+        sd["d2t"] = d2t
         sd.setdefault("t2d", torch.zeros(target.vocab_size, dtype=torch.bool).index_fill_(0, draft_vocab, True))
-    head = EagleHead(args, bias="fc.bias" in sd, draft_vocab=draft_vocab)
+    if eagle3_keys:
+        try:
+            aux = check_aux_layers(eagle3_aux_layers(cfg, target.num_hidden_layers), target.num_hidden_layers)
+        except ValueError as e:
+            raise ValueError(f"head {path} does not fit the target: {e}") from None
+        head = Eagle3Head(args, aux, draft_vocab=draft_vocab, norm_before_residual=bool(cfg.get("norm_before_residual")))
+        if draft_vocab is None:  # no d2t: the head drafts over the whole vocabulary
+            sd.update(d2t=head.d2t.clone(), t2d=head.t2d.clone())
+    else:
+        head = EagleHead(args, bias="fc.bias" in sd, draft_vocab=draft_vocab)
     expected = set(head.state_dict().keys())
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
@@ -173,3 +343,17 @@ def load_head(path: str | Path, target: ModelArgs) -> EagleHead:
     except RuntimeError as e:
         raise ValueError(f"head {path} does not fit the target: {str(e).splitlines()[-1].strip()}") from None
     return head
+
+
+def eagle3_aux_layers(cfg: dict, n_layers: int) -> tuple[int, ...]:
+    """The target layers (entered) an EAGLE-3 config names. SGLang/SpecForge's
+    `eagle_config.eagle_aux_hidden_state_layer_ids` name the layer whose output is taken (SGLang
+    captures id + 1); vLLM's top-level key of the same name names the layer entered. Neither: the
+    official default (2, L//2, L-3)."""
+    nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+        if isinstance(cfg.get("eagle_config"), dict) else None
+    if nested:
+        return tuple(int(i) + 1 for i in nested)
+    if cfg.get("eagle_aux_hidden_state_layer_ids"):
+        return tuple(int(i) for i in cfg["eagle_aux_hidden_state_layer_ids"])
+    return default_aux_layers(n_layers)

@@ -305,19 +305,45 @@ class Transformer(nn.Module):
                              w.dtype, w.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None = None,
-                cache_start: int | None = None, logits: bool = True):
+                cache_start: int | None = None, logits: bool = True, aux_layers: tuple[int, ...] | None = None):
         """Run `tokens` (B, T) at `positions` (B, T).
 
         With `cache_start`, keys/values go to cache slots [cache_start, cache_start+T) and the
         tokens attend to slots [0, cache_start+T) through `mask` (bool, True = may attend, shape
         (T, cache_start+T) or broadcastable); without it, the tokens attend among themselves
         (`mask`, or causal if None). Returns the features (post final norm) and, if asked, logits.
+
+        With `aux_layers` (EAGLE-3), also returns the hidden states *entering* those layers (index
+        L = the last layer's output, before the final norm), concatenated in the given order:
+        (B, T, len(aux_layers) * H), taken from this same forward.
         """
         x = self.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         cache = self.cache if cache_start is not None else None
         mask = causal_mask(tokens.shape[1], cache_start, tokens.device) if cache is not None and mask is None else mask
-        for layer in self.layers:
+        taken = {}
+        for i, layer in enumerate(self.layers):
+            if aux_layers is not None and i in aux_layers:
+                taken[i] = x
             x = layer(x, cos, sin, mask, cache, 0 if cache_start is None else cache_start)
         features = self.norm(x)
-        return features, (self.lm_head(features) if logits else None)
+        out = features, (self.lm_head(features) if logits else None)
+        if aux_layers is None:
+            return out
+        taken[len(self.layers)] = x
+        return (*out, torch.cat([taken[i] for i in aux_layers], dim=-1))
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high layers: the hidden states entering layers 2, L//2 and L-3, as
+    the official code captures them (eagle/model/modeling_llama_kv.py); clamped into [0, L] so that
+    shallow (test) models get three valid, if repeated, layers."""
+    return tuple(min(max(i, 0), n_layers) for i in (2, n_layers // 2, n_layers - 3))
+
+
+def check_aux_layers(layers, n_layers: int) -> tuple[int, ...]:
+    layers = tuple(int(i) for i in layers)
+    if len(layers) != 3 or any(not 0 <= i <= n_layers for i in layers):
+        raise ValueError(f"EAGLE-3 takes three target layers in [0, {n_layers}] (the hidden states entering them; "
+                         f"{n_layers} = the last layer's output), got {list(layers)}")
+    return layers

@@ -1,0 +1,321 @@
+"""EAGLE-3 heads: the target's three layers from the same forward, the head's layout and checkpoint
+format, lossless drafting in every tree kind (greedy token for token, ties excepted; sampling by a
+chi-square test), a reduced draft vocabulary, and a head whose drafts get accepted."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from eaglespec.costmodel import CostTable
+from eaglespec.engine import Engine
+from eaglespec.head import Eagle3Head, EagleHead, eagle3_head_args, load_head, random_eagle3_head, random_head
+from eaglespec.loading import load_target
+from eaglespec.model import ModelArgs, Transformer, default_aux_layers
+from eaglespec.testing import FAMILIES
+from eaglespec.tree import Drafter, TreeConfig
+from test_lossless import KINDS, NEW, SAMPLING, chi_square_pvalue, exact_continuations, random_prompts, run
+
+# The official EAGLE-3 checkpoint keys (SafeAILab/EAGLE eagle/traineagle3/cnets.py: Model.fc, .midlayer
+# = LlamaDecoderLayeremb with hidden_norm/input_layernorm/self_attn/mlp/post_attention_layernorm, .norm,
+# .lm_head over draft_vocab_size, buffers d2t/t2d); SpecForge's LlamaForCausalLMEagle3 uses the same names.
+OFFICIAL_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight", "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+def tiny_args(**kw) -> ModelArgs:
+    return ModelArgs(**{**dict(vocab_size=320, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512), **kw})
+
+
+def eagle3_oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0, logit_scale: float = 1.0,
+                       draft_vocab=None) -> tuple[Transformer, Eagle3Head]:
+    """A one-layer target and an EAGLE-3 head that copies its layer, so the head's drafts are usually right.
+
+    The target's embeddings are tiny (RMS 0.01): its input norm scales them to unit RMS, and the
+    residual they add is negligible, so the layer's output is ~ attention + MLP of the normed tokens.
+    The head reads only input_layernorm(embed) (q/k/v's hidden half is zero) and, with
+    norm_before_residual and a zero hidden_norm, adds no residual: it computes the same from the
+    tokens, whatever its fed hidden state. `noise` perturbs every weight so drafts are sometimes wrong
+    and the hidden half is not exactly unused."""
+    args = tiny_args(vocab_size=vocab_size)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = Transformer(args)
+        emb = model.embed_tokens.weight
+        emb /= emb.pow(2).mean(-1, keepdim=True).sqrt() * 100
+        model.lm_head.weight *= logit_scale
+        head = Eagle3Head(eagle3_head_args(args), default_aux_layers(1), draft_vocab=draft_vocab,
+                          norm_before_residual=True)
+        h, mid, layer = args.hidden_size, head.midlayer, model.layers[0]
+        head.fc.weight.zero_()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(mid.self_attn, name).weight
+            w.zero_()
+            w[:, :h] = getattr(layer.self_attn, name).weight
+        mid.self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
+        mid.hidden_norm.weight.zero_()
+        mid.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
+        mid.mlp.load_state_dict(layer.mlp.state_dict())
+        head.norm.load_state_dict(model.norm.state_dict())
+        rows = model.lm_head.weight if draft_vocab is None else model.lm_head.weight[torch.as_tensor(draft_vocab)]
+        head.lm_head.weight.copy_(rows)
+        for p in head.parameters():
+            p += noise * p.std() * torch.randn_like(p)
+    return model.eval().requires_grad_(False), head.eval().requires_grad_(False)
+
+
+def check_lossless(engine, prompts, vanilla, same_or_tie):
+    results = []
+    for prompt, want in zip(prompts, vanilla):
+        r = run(engine, prompt)
+        assert r.new_tokens == NEW and r.finish_reason == "length"
+        same_or_tie(engine.model, prompt, r.token_ids, want)
+        results.append(r)
+    return results
+
+
+# ---- the target's three layers ---------------------------------------------------------------------
+
+def test_aux_layers_are_the_hidden_states_entering_them(tiny_checkpoint):
+    """Checked against transformers' own hidden_states (entry i = the input of layer i); index L is the
+    last layer's output, whose final norm is the features. Without aux_layers nothing changes."""
+    from transformers import AutoModelForCausalLM
+    folder = tiny_checkpoint("llama")
+    model, _ = load_target(folder, device="cpu", dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.randint(0, 320, (2, 11), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(11)[None].expand(2, -1)
+    with torch.inference_mode():
+        plain = model(ids, pos)
+        feats, logits, aux = model(ids, pos, aux_layers=(1, 0, 2))
+        ref = hf(ids, output_hidden_states=True).hidden_states
+    assert len(plain) == 2 and torch.equal(plain[0], feats) and torch.equal(plain[1], logits)
+    h = model.args.hidden_size
+    assert aux.shape == (2, 11, 3 * h)
+    assert torch.allclose(aux[..., :h], ref[1], atol=1e-5) and torch.allclose(aux[..., h:2 * h], ref[0], atol=1e-5)
+    assert torch.allclose(model.norm(aux[..., 2 * h:]), feats, atol=1e-6)
+
+
+def test_default_aux_layers_follow_the_official_choice():
+    assert default_aux_layers(32) == (2, 16, 29)
+    assert default_aux_layers(30) == (2, 15, 27)   # SmolLM2-135M
+    assert default_aux_layers(2) == (2, 1, 0)      # clamped into [0, L] for shallow test models
+
+
+# ---- the head and its checkpoint ---------------------------------------------------------------------
+
+def test_state_dict_and_config_follow_the_official_layout(tmp_path):
+    args = tiny_args(num_hidden_layers=6)
+    head = random_eagle3_head(args, seed=1, draft_vocab=torch.arange(0, 320, 4))
+    sd = head.state_dict()
+    assert set(sd) == OFFICIAL_KEYS
+    h = args.hidden_size
+    assert sd["fc.weight"].shape == (h, 3 * h) and sd["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * h
+    assert sd["lm_head.weight"].shape == (80, h) and sd["d2t"].dtype == torch.long and sd["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(80) + sd["d2t"], torch.arange(0, 320, 4)) and int(sd["t2d"].sum()) == 80
+    head.save(tmp_path / "h")
+    cfg = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 80 and cfg["vocab_size"] == 320 and cfg["target_hidden_size"] == h
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # entering 2, 3, 3 of 6
+    back = load_head(tmp_path / "h", args)
+    assert isinstance(back, Eagle3Head) and back.aux_layers == (2, 3, 3)
+    assert torch.equal(back.draft_ids, torch.arange(0, 320, 4))
+    for k, v in back.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in (tmp_path / "h").iterdir())  # no pickle
+
+
+def test_full_vocabulary_head_has_identity_maps_and_no_draft_ids(tmp_path):
+    head = random_eagle3_head(tiny_args(), seed=0)
+    assert head.draft_ids is None and head.lm_head.weight.shape[0] == 320 and not head.d2t.any()
+    head.save(tmp_path / "h")
+    assert load_head(tmp_path / "h", tiny_args()).draft_ids is None
+
+
+def test_load_head_returns_the_class_the_checkpoint_holds(tmp_path):
+    args = tiny_args()
+    random_head(args).save(tmp_path / "e1")
+    random_eagle3_head(args).save(tmp_path / "e3")
+    assert type(load_head(tmp_path / "e1", args)) is EagleHead
+    assert type(load_head(tmp_path / "e3", args)) is Eagle3Head
+
+
+def test_an_official_checkpoint_without_our_extras_loads(tmp_path):
+    """As released (yuhuili/EAGLE3-*): config without eagle_config/target_hidden_size, weights in
+    pytorch_model.bin (read with weights_only), a SpecForge-style embed_tokens.weight to ignore."""
+    args = tiny_args(num_hidden_layers=8)
+    head = random_eagle3_head(args, seed=2, draft_vocab=torch.arange(1, 320, 2))
+    folder = tmp_path / "official"
+    folder.mkdir()
+    cfg = {k: v for k, v in head.hf_config().items() if k not in ("eagle_config", "target_hidden_size",
+                                                                   "norm_before_residual")}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    torch.save({**head.state_dict(), "embed_tokens.weight": torch.zeros(320, 64)}, folder / "pytorch_model.bin")
+    back = load_head(folder, args)
+    assert isinstance(back, Eagle3Head) and back.aux_layers == (2, 4, 5)  # the official default for L = 8
+    x, h = torch.randn(1, 5, 64), torch.randn(1, 5, 192)
+    pos = torch.arange(5)[None]
+    assert torch.equal(back.draft_logits(back.first(x, h, pos)), head.draft_logits(head.first(x, h, pos)))
+
+
+@pytest.mark.parametrize("what", ["hidden", "arch-without-midlayer", "aux-out-of-range", "d2t-outside"])
+def test_mismatched_checkpoints_are_one_line_errors(tmp_path, what):
+    args = tiny_args(num_hidden_layers=6)
+    folder = tmp_path / what
+    if what == "arch-without-midlayer":
+        random_head(args).save(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLMEagle3"]}))
+    else:
+        random_eagle3_head(args).save(folder)
+    if what == "hidden":
+        args = tiny_args(num_hidden_layers=6, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    if what == "aux-out-of-range":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 9]
+        (folder / "config.json").write_text(json.dumps(cfg))
+    if what == "d2t-outside":
+        from safetensors.torch import load_file, save_file
+        sd = load_file(str(folder / "model.safetensors"))
+        sd["d2t"][-1] = 5
+        save_file(sd, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        load_head(folder, args)
+    assert "\n" not in str(e.value)
+
+
+def test_first_then_step_through_the_cache_equals_one_pass():
+    """The cached path the engine drafts with == one causal pass: first() on true layers for a prefix,
+    then the same inputs one position at a time."""
+    args = tiny_args()
+    head = random_eagle3_head(args, seed=4).eval()
+    x, h = torch.randn(1, 9, 64), torch.randn(1, 9, 192)
+    pos = torch.arange(9)[None]
+    with torch.no_grad():
+        whole = head.first(x, h, pos)
+        head.setup_cache(32)
+        part = [head.first(x[:, :5], h[:, :5], pos[:, :5], cache_start=0)]
+        for t in range(5, 9):
+            part.append(head.first(x[:, t:t + 1], h[:, t:t + 1], pos[:, t:t + 1], cache_start=t))
+        assert torch.allclose(torch.cat(part, 1), whole, atol=1e-5)
+        # step() takes an H-wide hidden state: the head's own output, not the target's 3H
+        assert head.step(x[:, :3], whole[:, :3], pos[:, :3]).shape == (1, 3, 64)
+
+
+# ---- lossless drafting ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint):
+    model, _ = load_target(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32)
+    prompts = random_prompts(15, seed=10)
+    return model, prompts, [run(Engine(model), p, "vanilla").token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_eagle3_head_is_lossless(kind, llama, same_or_tie):
+    model, prompts, vanilla = llama
+    for seed in (0, 1, 2):
+        engine = Engine(model, head=random_eagle3_head(model.args, seed=seed), tree=TreeConfig(kind=kind))
+        check_lossless(engine, prompts[seed::3], vanilla[seed::3], same_or_tie)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_is_lossless_with_an_eagle3_head(family, tiny_checkpoint, same_or_tie):
+    """Three layers captured from qkv-bias, q/k-norm and MoE targets, under tree masks."""
+    model, _ = load_target(tiny_checkpoint(family), device="cpu", dtype=torch.float32)
+    prompts = random_prompts(4, seed=11)
+    vanilla = [run(Engine(model), p, "vanilla").token_ids for p in prompts]
+    head = random_eagle3_head(model.args, seed=5, draft_vocab=torch.arange(0, 320, 3))
+    check_lossless(Engine(model, head=head), prompts, vanilla, same_or_tie)
+
+
+@pytest.fixture(scope="module")
+def good():
+    model, head = eagle3_oracle_pair(noise=0.3, logit_scale=3.0)
+    prompts = random_prompts(20, seed=12)
+    return model, head, prompts, [run(Engine(model), p, "vanilla").token_ids for p in prompts]
+
+
+def draft_steps(monkeypatch) -> list[tuple[int, int]]:
+    """Records (width of what the head is fed, rows) of every first()/step() call."""
+    seen = []
+    for name in ("first", "step"):
+        real = getattr(Eagle3Head, name)
+
+        def spy(self, embeds, hidden, *a, _real=real, _name=name, **k):
+            seen.append((_name, hidden.shape[-1]))
+            return _real(self, embeds, hidden, *a, **k)
+
+        monkeypatch.setattr(Eagle3Head, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_good_eagle3_head_accepts_several_tokens_and_is_lossless(kind, good, monkeypatch, same_or_tie):
+    model, head, prompts, vanilla = good
+    seen = draft_steps(monkeypatch)
+    results = check_lossless(Engine(model, head=head, tree=TreeConfig(kind=kind)), prompts, vanilla, same_or_tie)
+    tau = sum(r.tau for r in results) / len(results)
+    assert tau > 1.5, f"mean tau {tau:.2f}: the head does not draft well enough to test acceptance"
+    assert max(max(r.accept_lengths) for r in results) >= 4
+    # the target's three layers go into first(); the head's own H-wide outputs into step()
+    assert {w for n, w in seen if n == "first"} == {3 * 64} and {w for n, w in seen if n == "step"} == {64}
+
+
+def test_auto_tree_with_an_eagle3_head_is_lossless(good, same_or_tie):
+    """The cost-model tree size (synthetic table), and the calibration's draft call with a 3H input."""
+    model, head, prompts, vanilla = good
+    table = CostTable({n: 10.0 + n for n in (1, 4, 8, 12, 16)}, 0.5, 0.5, {"mode": "synthetic"})
+    engine = Engine(model, head=head, tree=TreeConfig(auto=True, depth=5, total_tokens=16), cost_table=table)
+    check_lossless(engine, prompts[:8], vanilla[:8], same_or_tie)
+    assert engine.policy is not None and engine.policy.rounds > 0
+    engine.time_draft_call("first", 64)
+    engine.time_draft_call("step", 64)
+
+
+def test_reduced_draft_vocabulary_drafts_only_it_and_is_lossless(monkeypatch, same_or_tie):
+    ids = torch.arange(0, 320, 2)
+    model, head = eagle3_oracle_pair(noise=0.3, logit_scale=3.0, draft_vocab=ids)
+    assert head.lm_head.weight.shape[0] == 160
+    prompts = random_prompts(8, seed=13)
+    vanilla = [run(Engine(model), p, "vanilla").token_ids for p in prompts]
+    drafted = []
+    real = Drafter.draft
+
+    def spy(self, *a, **k):
+        cands = real(self, *a, **k)
+        drafted.extend(cands.tokens.tolist())
+        return cands
+
+    monkeypatch.setattr(Drafter, "draft", spy)
+    for kind in KINDS:
+        results = check_lossless(Engine(model, head=head, tree=TreeConfig(kind=kind)), prompts, vanilla, same_or_tie)
+        assert max(max(r.accept_lengths) for r in results) >= 3
+    assert drafted and all(t % 2 == 0 for t in drafted)
+
+
+@pytest.mark.parametrize("name,draws,draft_vocab", [("t1", 1500, None), ("t0.7-p0.9-k5", 800, None),
+                                                    ("t1", 800, [0, 2, 3, 5, 7])])
+def test_eagle3_sampling_follows_the_target(name, draws, draft_vocab):
+    """EAGLE-3's first three sampled tokens follow the target's exact joint distribution."""
+    params = SAMPLING[name]
+    model, head = eagle3_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3, draft_vocab=draft_vocab)
+    engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
+    prompt = [1, 2, 3]
+    expected = exact_continuations(model, prompt, 3, params)
+    counts, accepted = Counter(), 0
+    for seed in range(draws):
+        r = engine.generate(input_ids=prompt, max_new_tokens=3, temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, seed=seed, ignore_eos=True)
+        counts[tuple(r.token_ids)] += 1
+        accepted += r.accept_lengths[0] > 1
+    assert accepted > draws // 4
+    assert chi_square_pvalue(counts, expected) > 1e-3

@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     write_checkpoint(Path(args.out), config, sd, force=args.force)
     for w in warnings:
         print(f"eaglespec: warning: {w}", file=sys.stderr)
-    model = args.model or DEFAULT_VERIFIER
+    model = args.model or str(folder)  # the default model's converted folder: the weights the head was trained on
     print(f"wrote {args.format} checkpoint to {args.out} ({len(sd)} tensors, {args.dtype}); serve it with:")
     for cmd in serve_commands(args.format, Path(args.out), model):
         print(f"  {cmd}")

@@ -176,9 +176,8 @@ def to_canonical(cfg: dict, sd: dict) -> HeadCheckpoint:
                              "pre_lm_head_layernorm) is not supported")
         sd = _rename(sd, SPECULATORS_EAGLE1_RENAMES)
         sd.pop("lm_head.weight", None)  # the target's, when a converter saved it
-        flat = {**_layer_config(cfg), "bias": "fc.bias" in sd}
-        return HeadCheckpoint("eagle", flat, sd, source)
-    if source == "speculators-eagle3":
+        source_cfg = {**_layer_config(cfg), "bias": "fc.bias" in sd}
+    elif source == "speculators-eagle3":
         sd = _rename(sd, SPECULATORS_EAGLE3_RENAMES)
         flat = _layer_config(cfg)
         for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
@@ -196,7 +195,7 @@ def to_canonical(cfg: dict, sd: dict) -> HeadCheckpoint:
         # EAGLE-3 has none, so only a zero one can be dropped
         _drop_zero(sd, "fc.bias", "EAGLE-3's fc has no bias")
         return HeadCheckpoint("eagle3", source_cfg, sd, source)
-    # official EAGLE-1/2: a converted head may carry an identity input norm for layer 0
+    # EAGLE-1/2: a converted head may carry an identity input norm for layer 0 (speculators' Identity has none)
     _drop_ones(sd, "layers.0.input_layernorm.weight", "the EAGLE-1 layer has no input norm")
     return HeadCheckpoint("eagle", source_cfg, sd, source)
 

@@ -529,3 +529,43 @@ def test_exported_eagle3_head_generates_losslessly(tmp_path, target, eagle3_head
     model, model_folder = target
     out, _, _ = export(tmp_path, eagle3_head_folder[1], "speculators", model_folder)
     assert_lossless(model, load_head(out, model.args), same_or_tie)
+
+
+def test_sharded_checkpoint_with_model_prefix_loads(tmp_path, target):
+    """save_pretrained of a bigger head: model.safetensors.index.json over shards, keys under `model.`."""
+    model, _ = target
+    head = random_head(model.args, seed=11)
+    sd = {"model." + k: v.clone() for k, v in head.state_dict().items()}
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(folder / file), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    (folder / "config.json").write_text(json.dumps(layout("LlamaForCausalLMEagle", model.args, bias=True)))
+    assert torch.equal(probe_logits(load_head(folder, model.args), model), probe_logits(head, model))
+
+
+@pytest.mark.parametrize("fmt", ["eagle3", "eagle"])
+def test_exported_config_reads_as_the_engines_read_it(fmt, tmp_path, target, eagle3_head_folder):
+    """vLLM and SGLang read a draft folder's config through transformers' AutoConfig: it must parse to a
+    LlamaConfig that keeps the fields they look up as attributes."""
+    from transformers import AutoConfig, LlamaConfig
+    model, model_folder = target
+    if fmt == "eagle3":
+        folder = eagle3_head_folder[1]
+    else:
+        folder = tmp_path / "e1"
+        random_head(model.args).save(folder)
+    out, _, _ = export(tmp_path, folder, fmt, model_folder)
+    cfg = AutoConfig.from_pretrained(str(out))
+    assert isinstance(cfg, LlamaConfig) and cfg.hidden_size == model.args.hidden_size
+    assert cfg.num_hidden_layers == 1 and cfg.head_dim == model.args.head_dim and not cfg.tie_word_embeddings
+    assert getattr(cfg, "attention_bias", False) is False and getattr(cfg, "bias", None) is False
+    if fmt == "eagle3":
+        assert cfg.draft_vocab_size == int(eagle3_head_folder[0].d2t.numel())
+        assert cfg.eagle_config["use_aux_hidden_state"] is True and cfg.norm_before_residual is False
+        assert list(cfg.eagle_aux_hidden_state_layer_ids) == list(eagle3_head_folder[0].aux_layers)

@@ -189,6 +189,7 @@ def to_canonical(cfg: dict, sd: dict) -> HeadCheckpoint:
         source_cfg = flat
     else:
         source_cfg = dict(cfg)
+    source_cfg.update(rope_fields(source_cfg))
     if source in ("eagle3", "speculators-eagle3"):
         sd = _rename(sd, (("layers.0.", "midlayer."),))  # vLLM-renamed official heads
         # speculators' first Eagle3Speculator built fc with a bias (src/speculators/models/eagle3.py);
@@ -198,6 +199,19 @@ def to_canonical(cfg: dict, sd: dict) -> HeadCheckpoint:
     # EAGLE-1/2: a converted head may carry an identity input norm for layer 0 (speculators' Identity has none)
     _drop_ones(sd, "layers.0.input_layernorm.weight", "the EAGLE-1 layer has no input norm")
     return HeadCheckpoint("eagle", source_cfg, sd, source)
+
+
+def rope_fields(cfg: dict) -> dict:
+    """The draft layer's RoPE as the head's own config defines it, LlamaConfig's defaults (theta 10000, no
+    scaling) where it says nothing. That is what the official code (EConfig), vLLM and SGLang build the
+    head's rotary embedding from: not the target's. The released EAGLE-3 training config
+    (eagle/traineagle3/config.json) names no rope_theta, so its heads were trained with 10000.
+    transformers >= 5 writes both into `rope_parameters`."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if kind not in ("default", None) else None
+    return {"rope_theta": float(theta), "rope_scaling": scaling}
 
 
 def _layer_config(cfg: dict) -> dict:

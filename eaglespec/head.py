@@ -312,6 +312,7 @@ def load_head(path: str | Path, target: ModelArgs) -> EagleHead | Eagle3Head:
         head_dim=cfg.get("head_dim") or cfg.get("hidden_size", args.hidden_size) // cfg.get("num_attention_heads", args.num_attention_heads),
         rms_norm_eps=cfg.get("rms_norm_eps", args.rms_norm_eps),
         rope_theta=float(cfg.get("rope_theta", args.rope_theta)),
+        rope_scaling=cfg.get("rope_scaling", args.rope_scaling),  # the head's own RoPE (formats.rope_fields)
         qkv_bias=("midlayer" if eagle3_keys else "layers.0") + ".self_attn.q_proj.bias" in sd,
     )
     draft_vocab = None

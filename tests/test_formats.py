@@ -569,3 +569,22 @@ def test_exported_config_reads_as_the_engines_read_it(fmt, tmp_path, target, eag
         assert cfg.draft_vocab_size == int(eagle3_head_folder[0].d2t.numel())
         assert cfg.eagle_config["use_aux_hidden_state"] is True and cfg.norm_before_residual is False
         assert list(cfg.eagle_aux_hidden_state_layer_ids) == list(eagle3_head_folder[0].aux_layers)
+
+
+def test_head_rope_comes_from_its_own_config(tmp_path, target):
+    """The draft layer's RoPE is what the head's config says, LlamaConfig's defaults where it says nothing (as
+    the official code, vLLM and SGLang build it), not the target's; transformers 5's rope_parameters count."""
+    import dataclasses
+    model, _ = target
+    args = dataclasses.replace(model.args, rope_theta=100000.0, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    sd = official_eagle3(random_eagle3_head(args))
+    silent = load_head(write(tmp_path / "silent", layout("LlamaForCausalLMEagle3", args), sd), args)
+    assert silent.args.rope_theta == 10000.0 and silent.args.rope_scaling is None
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    v5 = load_head(write(tmp_path / "v5", layout("LlamaForCausalLMEagle3", args, rope_parameters=llama3), sd), args)
+    assert v5.args.rope_theta == 500000.0 and v5.args.rope_scaling["rope_type"] == "llama3"
+    assert not torch.equal(v5.rotary.inv_freq, silent.rotary.inv_freq)
+    random_head(args).save(tmp_path / "ours")  # our own heads write both fields: the target's
+    ours = load_head(tmp_path / "ours", args)
+    assert ours.args.rope_theta == 100000.0 and ours.args.rope_scaling == args.rope_scaling

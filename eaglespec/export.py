@@ -30,7 +30,6 @@ FORMATS = ("eagle3", "speculators", "eagle")
 def _tensor_dict(head, dtype):
     """The head's tensors: floating ones cast to `dtype`, d2t as int64 and t2d as bool (what the loaders
     allocate: vLLM's draft_id_to_target_id is a long parameter; SGLang adds an arange to d2t)."""
-    import torch
     out = {}
     for k, v in head.state_dict().items():
         v = v.detach().cpu()
@@ -219,7 +218,7 @@ def serve_commands(fmt: str, out: Path, model: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import torch
     from .head import load_head
-    from .loading import load_config, load_target, resolve_model
+    from .loading import load_config, load_target
     dtype = getattr(torch, args.dtype)
     target, folder = load_target(args.model, device="cpu", dtype=torch.float32)
     head = load_head(args.head, target.args)

@@ -9,7 +9,6 @@ SGLang's loaders read (their name mapping transcribed below), and loading them b
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch

@@ -192,6 +192,10 @@ def to_canonical(cfg: dict, sd: dict) -> HeadCheckpoint:
     source_cfg.update(rope_fields(source_cfg))
     if source in ("eagle3", "speculators-eagle3"):
         sd = _rename(sd, (("layers.0.", "midlayer."),))  # vLLM-renamed official heads
+        # vLLM's own name for d2t (Eagle3LlamaForCausalLM.draft_id_to_target_id), same meaning; t2d follows
+        # from it when a checkpoint dropped it as vLLM does
+        if "draft_id_to_target_id" in sd and "d2t" not in sd:
+            sd["d2t"] = sd.pop("draft_id_to_target_id")
         # speculators' first Eagle3Speculator built fc with a bias (src/speculators/models/eagle3.py);
         # EAGLE-3 has none, so only a zero one can be dropped
         _drop_zero(sd, "fc.bias", "EAGLE-3's fc has no bias")

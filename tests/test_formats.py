@@ -274,14 +274,19 @@ def test_official_and_specforge_eagle3_heads_load_and_are_lossless(writer, tmp_p
     assert_lossless(model, loaded, same_or_tie)
 
 
-def test_speculators_eagle3_checkpoint_loads_and_is_lossless(tmp_path, target, same_or_tie):
+@pytest.mark.parametrize("names", ["speculators", "vllm"])
+def test_speculators_eagle3_checkpoint_loads_and_is_lossless(names, tmp_path, target, same_or_tie):
+    """speculators' keys; "vllm": with d2t under vLLM's name draft_id_to_target_id and t2d dropped, as vLLM does."""
     model, _ = target
     head = random_eagle3_head(model.args, seed=6, draft_vocab=torch.arange(0, model.args.vocab_size, 2))
     sd = {("layers.0." + k[9:] if k.startswith("midlayer.") else k): v for k, v in official_eagle3(head).items()}
     sd["embed_tokens.weight"] = model.embed_tokens.weight.clone()
+    if names == "vllm":
+        sd["draft_id_to_target_id"] = sd.pop("d2t")
+        del sd["t2d"]
     a = model.args
     cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.9.0",
-           "draft_vocab_size": int(sd["d2t"].numel()), "norm_before_residual": False, "target_hidden_size": None,
+           "draft_vocab_size": int(head.d2t.numel()), "norm_before_residual": False, "target_hidden_size": None,
            "transformer_layer_config": {"model_type": "llama", "vocab_size": a.vocab_size, "hidden_size": a.hidden_size,
                                         "intermediate_size": a.intermediate_size, "num_hidden_layers": 1,
                                         "num_attention_heads": a.num_attention_heads,

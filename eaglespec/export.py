@@ -164,6 +164,9 @@ def eagle1_checkpoint(head, dtype) -> tuple[dict, dict, list[str]]:
         warnings.append("the head's fc has a non-zero bias: SGLang uses it, but vLLM's EAGLE-1 loader builds fc "
                         "without one and skips it, so under vLLM its drafts differ (output still lossless, "
                         "fewer tokens accepted)")
+    if head.args.qkv_bias:
+        warnings.append("the head has q/k/v biases (a Qwen2-family target): vLLM's Llama layer reads them through "
+                        "`qkv_bias`, but SGLang's LlamaForCausalLMEagle was not checked for them")
     if "d2t" in sd:
         warnings.append(f"the head's reduced draft vocabulary ({sd['d2t'].numel()} tokens) is not exported: vLLM "
                         "and SGLang draft EAGLE-1 heads over the whole vocabulary")

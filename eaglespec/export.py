@@ -164,9 +164,6 @@ def eagle1_checkpoint(head, dtype) -> tuple[dict, dict, list[str]]:
         warnings.append("the head's fc has a non-zero bias: SGLang uses it, but vLLM's EAGLE-1 loader builds fc "
                         "without one and skips it, so under vLLM its drafts differ (output still lossless, "
                         "fewer tokens accepted)")
-    if head.args.qkv_bias:
-        warnings.append("the head has q/k/v biases (a Qwen2-family target): vLLM's Llama layer reads them through "
-                        "`qkv_bias`, but SGLang's LlamaForCausalLMEagle was not checked for them")
     if "d2t" in sd:
         warnings.append(f"the head's reduced draft vocabulary ({sd['d2t'].numel()} tokens) is not exported: vLLM "
                         "and SGLang draft EAGLE-1 heads over the whole vocabulary")
@@ -178,7 +175,8 @@ def eagle1_checkpoint(head, dtype) -> tuple[dict, dict, list[str]]:
         # vLLM and SGLang read `bias` as the attention's bias (o_proj too); the fc bias is in the weights
         "bias": False,
         "attention_bias": False,
-        "qkv_bias": bool(head.args.qkv_bias),   # vLLM's Llama layer takes q/k/v bias from this key
+        # both Llama layers (vLLM llama.py, SGLang llama.py LlamaDecoderLayer) take the q/k/v bias from this key
+        "qkv_bias": bool(head.args.qkv_bias),
         "mlp_bias": False,
         "torch_dtype": _dtype_name(dtype),
     }

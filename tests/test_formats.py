@@ -592,3 +592,20 @@ def test_head_rope_comes_from_its_own_config(tmp_path, target):
     random_head(args).save(tmp_path / "ours")  # our own heads write both fields: the target's
     ours = load_head(tmp_path / "ours", args)
     assert ours.args.rope_theta == 100000.0 and ours.args.rope_scaling == args.rope_scaling
+
+
+def test_full_vocabulary_eagle3_head_without_maps_loads(tmp_path, target, same_or_tie):
+    """draft_vocab_size == vocab_size (e.g. the Vicuna EAGLE-3 heads): the official loader deletes d2t/t2d
+    (ea_model.py), so a checkpoint may lack them; the head then drafts over the whole vocabulary."""
+    model, _ = target
+    head = random_eagle3_head(model.args, seed=12)
+    sd = {k: v for k, v in official_eagle3(head).items() if k not in ("d2t", "t2d")}
+    cfg = layout("LlamaForCausalLMEagle3", model.args, draft_vocab_size=model.args.vocab_size)
+    loaded = load_head(write(tmp_path / "full", cfg, sd, bin_file=True), model.args)
+    assert loaded.draft_ids is None
+    assert torch.equal(probe_logits(loaded, model), probe_logits(head, model))
+    assert_lossless(model, loaded, same_or_tie, n=2)
+    # a reduced lm_head without the map saying which tokens it drafts is refused
+    sd["lm_head.weight"] = sd["lm_head.weight"][:100]
+    with pytest.raises(ValueError, match="no d2t map"):
+        load_head(write(tmp_path / "nomap", {**cfg, "draft_vocab_size": 100}, sd), model.args)

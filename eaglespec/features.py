@@ -4,8 +4,11 @@ into safetensors shards, so that several training epochs do not pay the target's
 OUT/manifest.json describes the run; OUT/shard-00000.safetensors ... each hold `--shard-size`
 conversations, flattened: input_ids (int32, N), loss_mask (uint8, N: 1 on assistant tokens),
 features (float16/bfloat16, N x hidden), offsets (int64, conversations + 1), index (int64: the
-conversation's position in the loaded data). The split keys sit in each shard's metadata. Shards are
-written to a temporary file and renamed, so an interrupted run resumes by skipping finished shards.
+conversation's position in the loaded data). With `--arch eagle3` they also hold aux_features
+(N x 3 hidden: the hidden states entering the three layers listed as `aux_layers` in the manifest);
+`features` stays, because the target's distribution (the training signal) is lm_head(features).
+The split keys sit in each shard's metadata. Shards are written to a temporary file and renamed, so
+an interrupted run resumes by skipping finished shards.
 """
 from __future__ import annotations
 
@@ -49,7 +52,28 @@ def add_cli(sub) -> None:
     p.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
     p.add_argument("--feature-dtype", default="float16", choices=list(FEATURE_DTYPES),
                    help="on-disk dtype of the features (float16 keeps more mantissa; bfloat16 more range)")
+    add_arch_args(p)
     p.set_defaults(func=run_features)
+
+
+def add_arch_args(p) -> None:
+    p.add_argument("--arch", default="eagle", choices=["eagle", "eagle3"],
+                   help="eagle: EAGLE-1/2 heads, fed the target's last feature; eagle3: EAGLE-3 heads, fed the "
+                        "hidden states entering three target layers (stored features: 4x the disk per token)")
+    p.add_argument("--aux-layers", default=None, metavar="A,B,C",
+                   help="eagle3: the target layers whose entering hidden states are taken (default: EAGLE-3's "
+                        "2, L//2, L-3; L = the last layer's output)")
+
+
+def parse_aux_layers(spec: str | None, n_layers: int) -> tuple[int, ...]:
+    from .model import check_aux_layers, default_aux_layers
+    if spec is None:
+        return default_aux_layers(n_layers)
+    try:
+        layers = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--aux-layers must be three integers like 2,15,27, got '{spec}'") from None
+    return check_aux_layers(layers, n_layers)
 
 
 # ---- shared by `features` and `train` -------------------------------------------------------------
@@ -106,11 +130,15 @@ def pad_batch(seqs: list[list[int]] | list[torch.Tensor], value=0, dtype=torch.l
     return out
 
 
-def target_features(target, ids: torch.Tensor) -> torch.Tensor:
-    """The features (after the final norm) of right-padded `ids` (B, T); no logits needed."""
+def target_features(target, ids: torch.Tensor, aux_layers=None) -> torch.Tensor:
+    """The features (after the final norm) of right-padded `ids` (B, T); no logits needed. With
+    `aux_layers` (EAGLE-3): (B, T, 4H), the features then the hidden states entering those layers."""
     positions = torch.arange(ids.shape[1], device=ids.device)[None].expand(ids.shape[0], -1)
-    feats, _ = target(ids, positions, logits=False)
-    return feats
+    if aux_layers is None:
+        feats, _ = target(ids, positions, logits=False)
+        return feats
+    feats, _, aux = target(ids, positions, logits=False, aux_layers=aux_layers)
+    return torch.cat([feats, aux], dim=-1)
 
 
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
@@ -134,6 +162,7 @@ def run_features(args) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
     target, tokenizer, folder = load_model(args)
+    aux = parse_aux_layers(args.aux_layers, target.args.num_hidden_layers) if args.arch == "eagle3" else None
     examples, summary = load_examples(tokenizer, data, args.max_conversations, max_len)
     shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
     manifest = {
@@ -147,6 +176,7 @@ def run_features(args) -> int:
         "shards": [{"file": shard_name(i), "conversations": len(s), "tokens": sum(len(e.ids) for e in s)}
                    for i, s in enumerate(shards)],
         "complete": False,
+        **({"arch": "eagle3", "aux_layers": list(aux)} if aux is not None else {}),
     }
     out.mkdir(parents=True, exist_ok=True)
     check_resumable(out, manifest)
@@ -168,17 +198,20 @@ def run_features(args) -> int:
         for b in length_batches([len(e.ids) for e in shard], args.batch_tokens):
             ids = pad_batch([shard[j].ids for j in b]).to(device)
             with torch.inference_mode():
-                f = target_features(target, ids)
+                f = target_features(target, ids, aux)
             if fdtype == torch.float16 and f.abs().max() > 65000:
                 raise ValueError("features overflow float16: rerun with --feature-dtype bfloat16")
             for row, j in enumerate(b):
                 feats[j] = f[row, : len(shard[j].ids)].to(device="cpu", dtype=fdtype)
             bar.update(sum(len(shard[j].ids) for j in b))
         lengths = torch.tensor([len(e.ids) for e in shard])
+        h = target.args.hidden_size
+        flat = torch.cat(feats)
         tensors = {
             "input_ids": torch.tensor([t for e in shard for t in e.ids], dtype=torch.int32),
             "loss_mask": torch.tensor([m for e in shard for m in e.mask], dtype=torch.uint8),
-            "features": torch.cat(feats).contiguous(),
+            "features": flat[:, :h].contiguous(),
+            **({"aux_features": flat[:, h:].contiguous()} if aux is not None else {}),
             "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
             "index": torch.tensor([e.index for e in shard], dtype=torch.long),
         }
@@ -197,7 +230,7 @@ def run_features(args) -> int:
 
 
 # A rerun with a larger --max-conversations keeps every finished shard that holds the same conversations.
-RESUME_KEYS = ("model_fingerprint", "data", "max_len", "feature_dtype", "shard_size")
+RESUME_KEYS = ("model_fingerprint", "data", "max_len", "feature_dtype", "shard_size", "arch", "aux_layers")
 
 
 def shard_matches(path: Path, shard: list[Example]) -> bool:
@@ -277,9 +310,18 @@ class FeatureStore:
         h = self.files[f]
         return h.get_slice("input_ids")[a:b].long(), h.get_slice("loss_mask")[a:b].bool()
 
+    @property
+    def aux_layers(self) -> tuple[int, ...] | None:
+        """The layers an EAGLE-3 store holds (None: an EAGLE-1 store, the last feature only)."""
+        layers = self.manifest.get("aux_layers")
+        return tuple(layers) if layers else None
+
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ids (T,) long, assistant mask (T,) bool, features (T, H) in the stored dtype."""
+        """ids (T,) long, assistant mask (T,) bool, features (T, H) in the stored dtype; for an EAGLE-3
+        store (T, 4H): the features then the three aux layers, as `target_features` gives them."""
         f, a, b = self.rows[i]
         h = self.files[f]
-        return (h.get_slice("input_ids")[a:b].long(), h.get_slice("loss_mask")[a:b].bool(),
-                h.get_slice("features")[a:b])
+        feats = h.get_slice("features")[a:b]
+        if self.aux_layers is not None:
+            feats = torch.cat([feats, h.get_slice("aux_features")[a:b]], dim=-1)
+        return h.get_slice("input_ids")[a:b].long(), h.get_slice("loss_mask")[a:b].bool(), feats

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .model import (MLP, Attention, DecoderLayer, KVCache, ModelArgs, RMSNorm, Rotary, causal_mask,
-                    check_aux_layers, default_aux_layers)
+                    check_aux_layers, default_aux_layers, rotate_half)
 
 
 def head_args(target: ModelArgs) -> ModelArgs:
@@ -125,6 +127,19 @@ class EagleHead(nn.Module):
         (folder / "config.json").write_text(json.dumps({**self.hf_config(), **(extra_config or {})}, indent=2))
 
 
+def _rotated_qkv(attn: Attention, x: torch.Tensor, cos, sin):
+    """q, k, v (B, heads, T, d) with rotary applied and k/v repeated to every query head (GQA)."""
+    b, t, _ = x.shape
+    q = attn.q_proj(x).view(b, t, attn.n_heads, attn.hd).transpose(1, 2)
+    k = attn.k_proj(x).view(b, t, attn.n_kv, attn.hd).transpose(1, 2)
+    v = attn.v_proj(x).view(b, t, attn.n_kv, attn.hd).transpose(1, 2)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    if attn.n_kv != attn.n_heads:
+        rep = attn.n_heads // attn.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return q, k, v
+
+
 def eagle3_head_args(target: ModelArgs) -> ModelArgs:
     """EAGLE-3's draft layer: the target's attention shape, a dense MLP, no qkv bias (the official
     Llama layout, which SGLang and vLLM load), no q/k norm."""
@@ -221,7 +236,51 @@ class Eagle3Head(nn.Module):
         return self.midlayer(token_embeds.to(hidden.dtype), hidden, cos, sin, mask, cache,
                              0 if cache_start is None else cache_start)
 
-    forward = first
+    def forward(self, token_embeds, target_hidden, positions=None, mask=None, cache_start=None, ttt_steps=None):
+        """first(); with `ttt_steps`, the training-time-test unroll (see `unroll`), so that training goes
+        through forward (and a DDP wrapper's gradient hooks)."""
+        if ttt_steps is not None:
+            return self.unroll(token_embeds, target_hidden, ttt_steps)
+        return self.first(token_embeds, target_hidden, positions, mask, cache_start)
+
+    def unroll(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training-time test: `steps` draft steps from every position at once, each fed the previous
+        step's own output (as when drafting), with the real next tokens.
+
+        token_embeds (B, T, H): embed(x_{t+1}) at t (right-padded batches; positions 0..T-1);
+        target_hidden (B, T, 3H). outs[i][:, t] is step i of a draft that began at t on the target's
+        layers: fed token x_{t+1+i} at rotary position t+i, its output drafts x_{t+2+i}. Step i
+        attends to what the head's cache holds when drafting: step 0's keys at positions <= t (the
+        committed prefix) and the chain's own keys of steps 1..i at t (its ancestors and itself),
+        the mask the official trainer and SpecForge use. Entries whose token runs past T are junk
+        (the caller masks them out)."""
+        b, t, _ = token_embeds.shape
+        mid, attn = self.midlayer, self.midlayer.self_attn
+        dev = token_embeds.device
+        h = self.fuse(target_hidden)
+        positions = torch.arange(t, device=dev)[None].expand(b, -1)
+        scale = 1.0 / math.sqrt(attn.hd)
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        outs, chain_k, chain_v = [], [], []
+        for i in range(steps):
+            embeds = token_embeds if i == 0 else F.pad(token_embeds[:, i:], (0, 0, 0, i))  # x_{t+1+i}
+            x, residual = mid.attn_input(embeds.to(h.dtype), h)
+            cos, sin = self.rotary(positions + i, x.dtype)
+            q, k, v = _rotated_qkv(attn, x, cos, sin)
+            if i == 0:
+                k0, v0 = k, v
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                chain_k.append(k), chain_v.append(v)
+                prefix = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
+                own = [(q * kj).sum(-1, keepdim=True) * scale for kj in chain_k]
+                probs = torch.cat([prefix] + own, -1).float().softmax(-1).to(q.dtype)
+                y = probs[..., :t] @ v0
+                for j, vj in enumerate(chain_v):
+                    y = y + probs[..., t + j:t + j + 1] * vj
+            h = mid.finish(residual, attn.o_proj(y.transpose(1, 2).reshape(b, t, attn.n_heads * attn.hd)))
+            outs.append(h)
+        return outs
 
     def draft_logits(self, hidden: torch.Tensor, target_lm_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Its own LM head over the draft vocabulary (`target_lm_rows` is unused: the interface is EAGLE-1's)."""

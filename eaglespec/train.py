@@ -9,6 +9,13 @@ both averaged over the counted positions. Input features get uniform noise U(-a,
 unlike the official code we do not scale it by 512 / padded length, which makes the noise depend on
 how sequences happen to be batched (a 64-token batch would get 8x the noise).
 
+With `--arch eagle3` the head is EAGLE-3's (head.Eagle3Head): fed the hidden states entering three
+target layers, trained by training-time test: unrolled `--ttt-steps` K steps on its own outputs
+(Eagle3Head.unroll, the attention mask drafting sees), loss = sum_i 0.8^i CE_i, CE_i the
+cross-entropy at step i to the target's distribution over the draft vocabulary, averaged over the
+positions step i is scored at (its fed token the assistant's, the target's best token draftable).
+No feature regression and no input noise, as in the official EAGLE-3 trainer.
+
 OUT/head (latest head, `--head OUT/head`), OUT/checkpoint/ (head + optimizer, position and RNG
 state for --resume), OUT/metrics.jsonl (held-out evaluations), OUT/train_log.jsonl (every step),
 OUT/card.md (at the end). Under `torchrun --nproc_per_node N` it trains data-parallel; step s then
@@ -30,9 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from .data import make_batches, split
-from .features import (FeatureStore, add_data_args, add_model_args, check_positive, load_examples, load_model,
-                       model_fingerprint, pad_batch, target_features)
-from .head import EagleHead, load_head, random_head
+from .features import (FeatureStore, add_arch_args, add_data_args, add_model_args, check_positive, load_examples,
+                       load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
+from .head import EagleHead, load_head, random_eagle3_head, random_head
 from .model import rotate_half
 
 EVAL_DEPTHS = 4
@@ -54,7 +61,10 @@ def add_cli(sub) -> None:
     o.add_argument("--feature-weight", type=float, default=1.0, help="weight of the SmoothL1 feature loss")
     o.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy to the target's distribution")
     o.add_argument("--loss-weights", default=None, metavar="F,C", help="shorthand for --feature-weight F --ce-weight C (default: unset)")
-    o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features")
+    add_arch_args(o)
+    o.add_argument("--ttt-steps", type=int, default=7, metavar="K",
+                   help="eagle3: unroll the head K steps on its own outputs (training-time test); step i weighs 0.8**i")
+    o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features (eagle only)")
     o.add_argument("--no-fc-bias", action="store_true", help="fc without bias (as the LLaMA3 heads; vLLM drops it)")
     o.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="draft from the N most frequent assistant tokens of the training data (EAGLE-3's d2t); "
@@ -188,6 +198,140 @@ def batch_loss(head, target_model, ids, amask, feats, *, noise: float, weights: 
                   "top1": int(hits[0]), "top3": int(hits[1]), "n": n}
 
 
+# ---- EAGLE-3: training-time test -----------------------------------------------------------------------
+
+TTT_DECAY = 0.8  # step i of the unroll weighs 0.8**i (official EAGLE-3 trainer, eagle/traineagle3/main.py)
+
+
+def ttt_targets(target_model, ids, amask, feats, vocab, full: bool = False):
+    """What every unrolled step is scored against, computed once per batch (the steps only shift it).
+
+    Rows are the positions s whose token the head is fed somewhere in the chain and which count
+    (assistant tokens, s >= 1). For each: p = the target's distribution at s over the draft
+    vocabulary (the next token's, x_{s+1}), the target's argmax over its whole vocabulary, and
+    whether that argmax is in the draft vocabulary: the official trainer leaves positions out of
+    the loss whose best token the head cannot draft. Returns (row index per position (B, T), -1 =
+    not a row; p (R, Vd); best (R,) target ids; draftable (R,) bool)."""
+    h = target_model.args.hidden_size
+    w, draft_ids = vocab or (target_model.lm_head.weight, None)
+    counted = amask.clone()
+    counted[:, 0] = False
+    rows = torch.full(amask.shape, -1, dtype=torch.long, device=amask.device)
+    rows[counted] = torch.arange(int(counted.sum()), device=amask.device)
+    final = feats[..., :h][counted].float()
+    with torch.no_grad():
+        p = torch.cat([torch.softmax(_logits(final[c:c + CE_CHUNK], w), -1) for c in range(0, final.shape[0], CE_CHUNK)]) \
+            if final.shape[0] else final.new_zeros(0, w.shape[0])
+        if draft_ids is None:
+            best = p.argmax(-1) if p.shape[0] else torch.zeros(0, dtype=torch.long, device=p.device)
+            draftable = torch.ones_like(best, dtype=torch.bool)
+        else:
+            full_w = target_model.lm_head.weight
+            best = torch.cat([_logits(final[c:c + CE_CHUNK], full_w).argmax(-1) for c in range(0, final.shape[0], CE_CHUNK)]) \
+                if final.shape[0] else torch.zeros(0, dtype=torch.long, device=p.device)
+            t2d = torch.zeros(full_w.shape[0], dtype=torch.bool, device=p.device)
+            t2d[draft_ids] = True
+            draftable = t2d[best]
+    return rows, p, best, draftable
+
+
+def _step_ce(head, hidden, p):
+    """sum over rows of -sum_v p(v) log q(v), q = softmax(head.lm_head(head.norm(hidden))); also the
+    rows' top-3 draft ids. Checkpointed per chunk: the rows x draft-vocabulary logits of one chunk
+    exist at a time, in backward too."""
+    from torch.utils.checkpoint import checkpoint
+
+    def chunk(hc, pc):
+        logq = torch.log_softmax(head.draft_logits(hc).float(), -1)
+        return -(pc * logq).sum(), logq.detach().topk(min(3, logq.shape[-1]), -1).indices
+
+    total, tops = hidden.new_zeros((), dtype=torch.float32), []
+    for c in range(0, hidden.shape[0], CE_CHUNK):
+        loss, top = checkpoint(chunk, hidden[c:c + CE_CHUNK], p[c:c + CE_CHUNK], use_reentrant=False)
+        total = total + loss
+        tops.append(top)
+    return total, (torch.cat(tops) if tops else hidden.new_zeros(0, 3, dtype=torch.long))
+
+
+def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, vocab=None, depth: int = 0):
+    """The unrolled head's per-step cross-entropy to the target's distribution, for one batch.
+
+    Step i at position t is fed x_{t+1+i} and drafts x_{t+2+i}: it is scored where s = t+1+i is a
+    row of `ttt_targets`. Returns per step (mean loss over its scored rows or None, scored rows,
+    top-1 hits, top-3 hits) for max(steps, depth) steps; hits count every row of s (accuracy is over
+    the whole vocabulary: a best token outside the draft vocabulary is a miss), loss only the
+    draftable ones (official). `head` may be a DDP wrapper of an Eagle3Head."""
+    module = getattr(head, "module", head)
+    h = target_model.args.hidden_size
+    rows, p, best, draftable = ttt_targets(target_model, ids, amask, feats, vocab)
+    draft_ids = None if vocab is None else vocab[1]
+    tok_in = F.pad(ids[:, 1:], (0, 1))
+    with torch.no_grad():
+        embeds = target_model.embed_tokens(tok_in)
+    n_steps = max(steps, depth)
+    with autocast():
+        outs = head(embeds, feats[..., h:].float(), ttt_steps=n_steps)
+    results = []
+    for i, out in enumerate(outs):
+        r = F.pad(rows[:, 1 + i:], (0, 1 + i), value=-1)  # the row of s = t + 1 + i, at t
+        sel = r >= 0
+        idx = r[sel]
+        hidden = out[sel].float()
+        keep = draftable[idx]
+        if i < steps:
+            loss, top = _step_ce(module, hidden[keep], p[idx[keep]])
+            n_loss = int(keep.sum())
+            # nothing scored: a zero that still reaches every parameter (DDP expects a gradient for each)
+            mean = loss / n_loss if n_loss else module.draft_logits(out[:1, :1]).sum() * 0.0
+        else:
+            mean, n_loss = None, 0
+        with torch.no_grad():
+            top_all = torch.cat([module.draft_logits(hidden[c:c + CE_CHUNK]).topk(min(3, p.shape[1]), -1).indices
+                                 for c in range(0, hidden.shape[0], CE_CHUNK)]) if hidden.shape[0] else \
+                torch.zeros(0, 3, dtype=torch.long, device=hidden.device)
+            guess = top_all if draft_ids is None else draft_ids[top_all]
+            want = best[idx]
+            results.append((mean, int(sel.sum()), int((guess[:, 0] == want).sum()),
+                            int((guess == want[:, None]).any(-1).sum()), n_loss))
+    return results
+
+
+def ttt_batch_loss(head, target_model, ids, amask, feats, *, steps: int, autocast, vocab=None):
+    """Loss of one micro-batch for an EAGLE-3 head: sum_i 0.8**i CE_i over the K = `steps` unrolled steps.
+    Statistics as `batch_loss` (top-1/top-3 of the first step; feature_loss 0: EAGLE-3 regresses no feature)."""
+    per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab)
+    loss = sum(TTT_DECAY ** i * m for i, (m, *_rest) in enumerate(per_step))
+    n, top1, top3 = per_step[0][1], per_step[0][2], per_step[0][3]
+    ce0 = float(per_step[0][0].detach()) if per_step[0][4] else 0.0
+    return loss, {"loss": float(loss.detach()), "feature_loss": 0.0, "ce_loss": ce0, "top1": top1, "top3": top3, "n": n}
+
+
+@torch.no_grad()
+def ttt_evaluate(head, target_model, source, batches, steps: int, autocast, depth: int = EVAL_DEPTHS,
+                 vocab=None) -> torch.Tensor:
+    """`evaluate`'s sums for an EAGLE-3 head: loss = the training objective, top-1 at depth k = its k-th
+    unrolled step's top-1 against the target's argmax (the draft fed its own outputs and the real
+    tokens), top-3 at depth 1; counted over the first step's rows."""
+    head.eval()
+    sums = torch.zeros(5 + depth, dtype=torch.float64)
+    for b in batches:
+        ids, amask, feats = source.batch(b)
+        per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab, depth)
+        n = per_step[0][1]
+        if n == 0:
+            continue
+        loss = sum(TTT_DECAY ** i * float(m) for i, (m, *_rest) in enumerate(per_step[:steps]) if m is not None)
+        sums[0] += n * loss
+        sums[2] += n * float(per_step[0][0] or 0.0)
+        sums[3] += n
+        sums[4] += per_step[0][3]
+        sums[5] += per_step[0][2]
+        for k in range(2, depth + 1):
+            sums[4 + k] += per_step[k - 1][2]
+    head.train()
+    return sums
+
+
 # ---- evaluation: the head fed its own features, as when drafting -------------------------------------
 
 def _qkv(attn, x, cos, sin):
@@ -313,8 +457,9 @@ def eval_metrics(sums: torch.Tensor, depth: int = EVAL_DEPTHS) -> dict:
 class InLoopSource:
     """Tokenized conversations; the target computes their features per batch (cached if asked)."""
 
-    def __init__(self, examples, target_model, cache: bool = False):
+    def __init__(self, examples, target_model, cache: bool = False, aux_layers=None):
         self.examples, self.target, self.cache = examples, target_model, {} if cache else None
+        self.aux_layers = aux_layers  # EAGLE-3: the features then the three layers, (B, T, 4H)
         self.lengths = [len(e.ids) for e in examples]
         self.device = target_model.embed_tokens.weight.device
 
@@ -325,7 +470,7 @@ class InLoopSource:
         if self.cache is not None and key in self.cache:
             return ids, amask, self.cache[key]
         with torch.no_grad():
-            feats = target_features(self.target, ids)
+            feats = target_features(self.target, ids, self.aux_layers)
         if self.cache is not None:
             self.cache[key] = feats
         return ids, amask, feats
@@ -334,8 +479,9 @@ class InLoopSource:
 class StoredSource:
     """Rows of a FeatureStore."""
 
-    def __init__(self, store: FeatureStore, rows: list[int], device):
-        self.store, self.rows, self.device = store, rows, device
+    def __init__(self, store: FeatureStore, rows: list[int], device, width: int | None = None):
+        """width: feature columns to keep (an EAGLE-1 run on an EAGLE-3 store needs only the first H)."""
+        self.store, self.rows, self.device, self.width = store, rows, device, width
         self.lengths = [store.lengths[r] for r in rows]
 
     def batch(self, idx: list[int]):
@@ -343,9 +489,10 @@ class StoredSource:
         ids = pad_batch([x[0] for x in items]).to(self.device)
         amask = pad_batch([x[1] for x in items], False, torch.bool).to(self.device)
         t = ids.shape[1]
-        feats = torch.zeros(len(items), t, items[0][2].shape[-1], dtype=torch.float32)
+        width = self.width or items[0][2].shape[-1]
+        feats = torch.zeros(len(items), t, width, dtype=torch.float32)
         for row, x in enumerate(items):
-            feats[row, : x[2].shape[0]] = x[2].float()
+            feats[row, : x[2].shape[0]] = x[2][:, :width].float()
         return ids, amask, feats.to(self.device)
 
 
@@ -454,7 +601,7 @@ def parse_weights(args) -> tuple[float, float]:
 def validate(args) -> None:
     check_positive(max_conversations=args.max_conversations, max_len=args.max_len, batch_tokens=args.batch_tokens,
                    epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
-                   eval_conversations=args.eval_conversations)
+                   eval_conversations=args.eval_conversations, ttt_steps=args.ttt_steps)
     for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps", "draft_vocab"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -491,6 +638,64 @@ def run_train(args) -> int:
             dist.destroy_process_group()
 
 
+# ---- steps of `_train` -------------------------------------------------------------------------------
+
+def run_aux_layers(args, target, store: FeatureStore | None) -> tuple[int, ...] | None:
+    """--arch eagle3: the target layers the head fuses (a features folder's own, else --aux-layers or
+    the default); None for EAGLE-1."""
+    if args.arch != "eagle3":
+        return None
+    wanted = parse_aux_layers(args.aux_layers, target.args.num_hidden_layers)
+    if store is None:
+        return wanted
+    if store.aux_layers is None:
+        raise ValueError(f"features in {store.folder} hold no EAGLE-3 layers: compute them with "
+                         "`eaglespec features --arch eagle3`, or train --arch eagle")
+    if args.aux_layers is not None and wanted != store.aux_layers:
+        raise ValueError(f"--aux-layers {args.aux_layers} differs from the layers in {store.folder} "
+                         f"({','.join(map(str, store.aux_layers))}): drop it or recompute the features")
+    return store.aux_layers
+
+
+def run_draft_vocab(args, target, store, examples, train_rows, log):
+    """(draft ids or None, share of the training data's assistant tokens they cover)."""
+    if not args.draft_vocab or args.draft_vocab >= target.args.vocab_size:
+        return None, 1.0
+    pairs = (store.tokens(r) for r in train_rows) if store is not None else \
+        ((examples[r].ids, examples[r].mask) for r in train_rows)
+    draft_vocab, coverage = choose_draft_vocab(pairs, args.draft_vocab, target.args.vocab_size)
+    log(f"draft vocabulary: {draft_vocab.numel():,} of {target.args.vocab_size:,} tokens, "
+        f"covering {coverage:.1%} of the training data's assistant tokens")
+    return draft_vocab, coverage
+
+
+def new_head(args, target, draft_vocab, aux):
+    if aux is not None:
+        return random_eagle3_head(target.args, seed=args.seed, draft_vocab=draft_vocab, aux_layers=aux)
+    return random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab)
+
+
+def resumed_head(args, target, ckpt: Path, out: Path, fresh, data_fp, plan, per_step, log):
+    """The checkpoint's head and saved state, refused (one line) unless it continues this very run."""
+    head = load_head(ckpt / "head", target.args)  # ValueError (one line) if it does not fit the target
+    if head.arch != fresh.arch or head.aux_layers != fresh.aux_layers:
+        raise ValueError(f"the checkpoint in {out} is an {head.arch} head"
+                         + (f" on layers {','.join(map(str, head.aux_layers))}" if head.aux_layers else "")
+                         + f": resume with the same --arch/--aux-layers")
+    had, want = head.draft_ids, fresh.draft_ids
+    if (had is None) != (want is None) or (had is not None and not torch.equal(had, want)):
+        raise ValueError(f"the checkpoint in {out} drafts from another vocabulary: resume with the same --draft-vocab")
+    saved = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+    if saved.get("data_fingerprint") != data_fp:
+        raise ValueError(f"the checkpoint in {out} was trained on other data: resume with the same "
+                         "--data/--max-conversations/--max-len/--features-dir/--seed/--held-out")
+    check_plan(saved, plan, out, args.resume and args.replan, log)
+    if saved.get("micro_batches_per_step") != per_step:
+        raise ValueError(f"the checkpoint used {saved.get('micro_batches_per_step')} micro-batches per step "
+                         f"(processes x grad-accum), this run {per_step}")
+    return head, saved
+
+
 def _train(args, weights, rank: int, world: int) -> int:
     from tqdm import tqdm
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -517,6 +722,8 @@ def _train(args, weights, rank: int, world: int) -> int:
         raise ValueError(f"--draft-vocab {args.draft_vocab} is larger than the target's vocabulary "
                          f"({target.args.vocab_size:,} tokens): use at most that, or 0 for the whole vocabulary")
     device = target.embed_tokens.weight.device
+    aux = run_aux_layers(args, target, store)  # EAGLE-3: the target layers the head fuses; None for EAGLE-1
+    args.aux_layers_used = ",".join(map(str, aux)) if aux is not None else None
     if store is not None:
         m = store.manifest
         if (m["hidden_size"], m["vocab_size"]) != (target.args.hidden_size, target.args.vocab_size) \
@@ -537,10 +744,11 @@ def _train(args, weights, rank: int, world: int) -> int:
     if not train_rows:
         raise ValueError("no training conversations after the held-out split")
     if store is not None:
-        train_src, eval_src = StoredSource(store, train_rows, device), StoredSource(store, eval_rows, device)
+        width = None if aux is not None else target.args.hidden_size
+        train_src, eval_src = StoredSource(store, train_rows, device, width), StoredSource(store, eval_rows, device, width)
     else:
-        train_src = InLoopSource([examples[i] for i in train_rows], target)
-        eval_src = InLoopSource([examples[i] for i in eval_rows], target, cache=True)
+        train_src = InLoopSource([examples[i] for i in train_rows], target, aux_layers=aux)
+        eval_src = InLoopSource([examples[i] for i in eval_rows], target, cache=True, aux_layers=aux)
     # Several attention score matrices of (batch, heads, T, T) live at once in the unrolled evaluation.
     eval_batches = make_batches(eval_src.lengths, max(max(eval_src.lengths, default=1), args.batch_tokens // 4),
                                 args.seed, 999_999)[rank::world] if eval_rows else []
@@ -560,28 +768,11 @@ def _train(args, weights, rank: int, world: int) -> int:
         f"(evaluating {len(eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= {args.batch_tokens} "
         f"tokens; {world} process(es) on {device}")
 
-    draft_vocab, coverage = None, 1.0
-    if args.draft_vocab and args.draft_vocab < target.args.vocab_size:
-        pairs = (store.tokens(r) for r in train_rows) if store is not None else \
-            ((examples[r].ids, examples[r].mask) for r in train_rows)
-        draft_vocab, coverage = choose_draft_vocab(pairs, args.draft_vocab, target.args.vocab_size)
-        log(f"draft vocabulary: {draft_vocab.numel():,} of {target.args.vocab_size:,} tokens, "
-            f"covering {coverage:.1%} of the training data's assistant tokens")
-    head = random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab)
+    draft_vocab, coverage = run_draft_vocab(args, target, store, examples if store is None else None, train_rows, log)
+    head = new_head(args, target, draft_vocab, aux)
     state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0, "wall_time": 0.0, "commands": []}
     if ckpt is not None:
-        head = load_head(ckpt / "head", target.args)  # ValueError (one line) if it does not fit the target
-        had = head.draft_ids
-        if (had is None) != (draft_vocab is None) or (had is not None and not torch.equal(had, draft_vocab)):
-            raise ValueError(f"the checkpoint in {out} drafts from another vocabulary: resume with the same --draft-vocab")
-        saved = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
-        if saved.get("data_fingerprint") != data_fp:
-            raise ValueError(f"the checkpoint in {out} was trained on other data: resume with the same "
-                             "--data/--max-conversations/--max-len/--features-dir/--seed/--held-out")
-        check_plan(saved, plan, out, args.resume and args.replan, log)
-        if saved.get("micro_batches_per_step") != per_step:
-            raise ValueError(f"the checkpoint used {saved.get('micro_batches_per_step')} micro-batches per step "
-                             f"(processes x grad-accum), this run {per_step}")
+        head, saved = resumed_head(args, target, ckpt, out, head, data_fp, plan, per_step, log)
         state.update({k: saved[k] for k in state})
     head = head.to(device=device, dtype=torch.float32).train()
     vocab = None if head.draft_ids is None else \
@@ -615,7 +806,10 @@ def _train(args, weights, rank: int, world: int) -> int:
     def run_eval(tag: str):
         nonlocal last_eval
         marks["eval"] = state["step"]
-        sums = evaluate(head, target, eval_src, eval_batches, weights, autocast, vocab=vocab)
+        if aux is not None:
+            sums = ttt_evaluate(head, target, eval_src, eval_batches, args.ttt_steps, autocast, vocab=vocab)
+        else:
+            sums = evaluate(head, target, eval_src, eval_batches, weights, autocast, vocab=vocab)
         if world > 1:
             import torch.distributed as dist
             dist.all_reduce(sums)
@@ -646,8 +840,12 @@ def _train(args, weights, rank: int, world: int) -> int:
             gen = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch * 10_000_019 + number)
             sync = model.no_sync() if world > 1 and j < len(micro) - 1 else contextlib.nullcontext()
             with sync:
-                loss, s = batch_loss(model, target, ids, amask, feats, noise=args.noise, weights=weights,
-                                     generator=gen, autocast=autocast, vocab=vocab)
+                if aux is not None:
+                    loss, s = ttt_batch_loss(model, target, ids, amask, feats, steps=args.ttt_steps, autocast=autocast,
+                                             vocab=vocab)
+                else:
+                    loss, s = batch_loss(model, target, ids, amask, feats, noise=args.noise, weights=weights,
+                                         generator=gen, autocast=autocast, vocab=vocab)
                 (loss / args.grad_accum).backward()
             stats += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
                                    sum(train_src.lengths[i] for i in b)], dtype=torch.float64)
@@ -677,12 +875,12 @@ def _train(args, weights, rank: int, world: int) -> int:
             if rank == 0:
                 rec = {"step": state["step"], "epoch": epoch, "lr": lr, "loss": float(stats[0]) / per_step,
                        "feature_loss": float(stats[1]) / per_step, "ce_loss": float(stats[2]) / per_step,
-                       "top1": float(stats[3]) / max(float(stats[5]), 1) if weights[1] else None,
+                       "top1": float(stats[3]) / max(float(stats[5]), 1) if weights[1] or aux else None,
                        "grad_norm": grad_norm, "tokens": int(stats[6]), "tokens_seen": state["tokens_seen"],
                        "tok_s": round(rate, 1), "time": round(wall_before + time.perf_counter() - session_start, 2)}
                 train_log.write(json.dumps(rec) + "\n")
                 train_log.flush()
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", top1=f"{rec['top1']:.3f}" if weights[1] else "-",
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", top1=f"{rec['top1']:.3f}" if weights[1] or aux else "-",
                                 lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", refresh=False)
                 bar.update(1)
             if state["step_in_epoch"] == steps_per_epoch[epoch]:
@@ -744,8 +942,11 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
         f"{args.grad_accum}, <= {args.batch_tokens} padded tokens per micro-batch)",
         f"- Tokens seen: {state['tokens_seen']:,}",
         f"- Wall time: {state['wall_time'] / 60:.1f} min (all sessions)",
-        f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
-        f"noise U(-{args.noise}, {args.noise}) (not length-scaled)",
+        (f"- Objective: EAGLE-3 training-time test: the head unrolled {args.ttt_steps} steps on its own outputs, "
+         f"sum of {TTT_DECAY}^i x CE(target distribution) at step i; fused target layers "
+         f"{getattr(args, 'aux_layers_used', '')}; no feature loss, no noise" if args.arch == "eagle3" else
+         f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
+         f"noise U(-{args.noise}, {args.noise}) (not length-scaled)"),
         ("- Draft vocabulary: the whole vocabulary" if head_vocab is None else
          f"- Draft vocabulary: {head_vocab[0]:,} most frequent assistant tokens (covering {head_vocab[1]:.1%} of the "
          "training data's assistant tokens)"),

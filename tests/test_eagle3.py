@@ -319,3 +319,233 @@ def test_eagle3_sampling_follows_the_target(name, draws, draft_vocab):
         accepted += r.accept_lengths[0] > 1
     assert accepted > draws // 4
     assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+# ---- training-time test ----------------------------------------------------------------------------------
+
+def test_unroll_matches_drafting_through_the_cache():
+    """Step i of the parallel unroll at position t == a draft chain started at t through the head's KV
+    cache (first() on the prefix, then step() on its own outputs), as the engine drafts."""
+    head = random_eagle3_head(tiny_args(), seed=6).eval()
+    torch.manual_seed(0)
+    t = 10
+    embeds, aux = torch.randn(1, t, 64), torch.randn(1, t, 192)
+    with torch.no_grad():
+        outs = head(embeds, aux, ttt_steps=4)
+        assert torch.allclose(outs[0], head.first(embeds, aux, torch.arange(t)[None]), atol=1e-5)
+        for start in (0, 3, t - 4):
+            head.setup_cache(32)
+            h = head.first(embeds[:, :start + 1], aux[:, :start + 1], torch.arange(start + 1)[None], cache_start=0)
+            fed = h[:, -1:]
+            assert torch.allclose(outs[0][0, start], fed[0, 0], atol=1e-5)
+            for i in range(1, 4):
+                slot = start + i  # tree slots after the committed prefix, in feeding order
+                mask = torch.ones(1, slot + 1, dtype=torch.bool)
+                fed = head.step(embeds[:, start + i:start + i + 1], fed, torch.tensor([[start + i]]), mask=mask,
+                                cache_start=slot)
+                assert torch.allclose(outs[i][0, start], fed[0, 0], atol=1e-5), (start, i)
+
+
+def test_ttt_losses_match_a_direct_computation():
+    """Per step: mean over positions t whose fed token x_{t+1+i} is the assistant's and whose target
+    best token is draftable, of CE(softmax over the draft vocabulary of the target's logits at
+    t+1+i, the head's step-i distribution at t); hits against the full-vocabulary argmax."""
+    import contextlib
+    from eaglespec.train import ttt_losses
+    model, _ = eagle3_oracle_pair(logit_scale=3.0)
+    ids_draft = torch.arange(0, 320, 2)
+    head = random_eagle3_head(model.args, seed=7, draft_vocab=ids_draft).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 320, (2, 12), generator=g)
+    amask = torch.rand(2, 12, generator=g) > 0.3
+    with torch.no_grad():
+        feats = torch.cat(model(ids, torch.arange(12)[None].expand(2, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
+        vocab = (model.lm_head.weight[ids_draft].contiguous(), ids_draft)
+        got = ttt_losses(head, model, ids, amask, feats, 3, contextlib.nullcontext, vocab, depth=4)
+        outs = head(model.embed_tokens(torch.nn.functional.pad(ids[:, 1:], (0, 1))), feats[..., 64:], ttt_steps=4)
+    final = feats[..., :64]
+    torch.set_grad_enabled(False)
+    for i in range(4):
+        losses, n, hits = [], 0, 0
+        for b in range(2):
+            for t in range(12):
+                s = t + 1 + i
+                if s >= 12 or not amask[b, s]:
+                    continue
+                n += 1
+                full = final[b, s] @ model.lm_head.weight.T
+                best = int(full.argmax())
+                logq = torch.log_softmax(head.draft_logits(outs[i][b, t]), -1)
+                hits += int(ids_draft[int(logq.argmax())]) == best
+                if best % 2 == 0:  # draftable
+                    p = torch.softmax(final[b, s] @ vocab[0].T, -1)
+                    losses.append(float(-(p * logq).sum()))
+        mean, rows, top1, _top3, scored = got[i]
+        assert (rows, top1, scored) == (n, hits, len(losses) if i < 3 else 0), i
+        if i < 3:
+            assert float(mean) == pytest.approx(sum(losses) / len(losses), rel=1e-5), i
+        else:
+            assert mean is None  # evaluated beyond the K trained steps: accuracy only
+    torch.set_grad_enabled(True)
+
+
+def test_ttt_training_reduces_the_loss_on_a_fixed_batch():
+    import contextlib
+    from eaglespec.train import ttt_batch_loss
+    model, _ = eagle3_oracle_pair(logit_scale=3.0)
+    head = random_eagle3_head(model.args, seed=8, aux_layers=(1, 0, 1))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 320, (4, 24), generator=g)
+    amask = torch.ones(4, 24, dtype=torch.bool)
+    with torch.no_grad():
+        feats = torch.cat(model(ids, torch.arange(24)[None].expand(4, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    losses = []
+    for _ in range(20):
+        loss, stats = ttt_batch_loss(head, model, ids, amask, feats, steps=4, autocast=contextlib.nullcontext)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(stats["loss"])
+    assert stats["n"] == 4 * 23 and stats["feature_loss"] == 0.0
+    assert all(p.grad is not None for p in head.parameters())  # lm_head and norm are trained too
+    assert losses[-1] < 0.85 * losses[0] and losses == sorted(losses, reverse=True), losses
+
+
+# ---- the command ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def e3(tmp_path_factory):
+    """A tiny target, chats, and one complete `train --arch eagle3` run (8 steps, 3 TTT steps)."""
+    from test_train import write_chats
+    from eaglespec.cli import main
+    from eaglespec.testing import make_tiny_checkpoint
+    root = tmp_path_factory.mktemp("e3")
+    tiny, chats = make_tiny_checkpoint(root / "m"), write_chats(root / "chats.jsonl", n=24)
+    common = ["train", "--model", tiny, "--data", chats, "--batch-tokens", 384, "--lr", 3e-3, "--warmup-steps", 2,
+              "--seed", 1, "--arch", "eagle3", "--ttt-steps", 3, "--draft-vocab", 100, "--max-steps", 8,
+              "--save-every", 3, "--eval-every", 4]
+    cli = lambda *a: main([str(x) for x in a])  # noqa: E731
+    out = root / "run"
+    assert cli(*common, "--out", out) == 0
+    return tiny, chats, common, cli, out
+
+
+def read_jsonl(path):
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def test_eagle3_run_reports_held_out_accuracies_and_its_head_generates_losslessly(e3):
+    tiny, _, _, _, out = e3
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [4, 8]
+    assert {"top1", "top3", "top1_depth2", "top1_depth3", "top1_depth4", "loss", "tokens"} <= set(metrics[-1])
+    assert metrics[-1]["loss"] < metrics[0]["loss"] and metrics[-1]["feature_loss"] == 0.0
+    log = read_jsonl(out / "train_log.jsonl")
+    assert log[-1]["loss"] < log[0]["loss"] and log[-1]["top1"] is not None
+    card = (out / "card.md").read_text()
+    assert "training-time test" in card and "unrolled 3 steps" in card and "top-1 at depth 4" in card
+    model, tok = load_target(str(tiny), device="cpu")
+    head = load_head(out / "head", model.args)
+    assert isinstance(head, Eagle3Head) and head.aux_layers == (2, 1, 0) and head.draft_ids.numel() == 100
+    fresh = random_eagle3_head(model.args, seed=1)
+    assert not torch.equal(head.midlayer.mlp.up_proj.weight, fresh.midlayer.mlp.up_proj.weight)
+    engine = Engine.load(str(tiny), head=str(out / "head"), device="cpu")
+    for text in ("the quick brown fox", "speculative decoding drafts"):
+        msgs = [{"role": "user", "content": text}]
+        r = engine.generate(messages=msgs, max_new_tokens=24, ignore_eos=True)
+        plain = engine.generate(messages=msgs, max_new_tokens=24, ignore_eos=True, method="vanilla")
+        assert r.token_ids == plain.token_ids
+
+
+def test_eagle3_resume_after_a_kill_continues_on_the_same_curve(e3, tmp_path):
+    tiny, chats, common, cli, ref = e3
+    out = tmp_path / "killed"
+    assert cli(*common, "--out", out, "--stop-after", 5) == 0  # the last checkpoint is step 3
+    first = read_jsonl(out / "train_log.jsonl")
+    assert cli(*common, "--out", out, "--resume") == 0
+    log, want = read_jsonl(out / "train_log.jsonl"), read_jsonl(ref / "train_log.jsonl")
+    assert [r["step"] for r in log] == [r["step"] for r in want]
+    for r, s in zip(first + log[5:], want):
+        assert r["loss"] == pytest.approx(s["loss"], rel=1e-5, abs=1e-6), r["step"]
+    from safetensors.torch import load_file
+    a, b = load_file(str(out / "head" / "model.safetensors")), load_file(str(ref / "head" / "model.safetensors"))
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-6) for k in a)
+
+
+def test_eagle3_resume_as_another_arch_is_refused(e3, tmp_path, capsys):
+    tiny, chats, common, cli, ref = e3
+    import shutil
+    out = tmp_path / "other"
+    for p in ("checkpoint", "head"):
+        shutil.copytree(ref / p, out / p)
+    argv = [a for a in common if a not in ("--arch", "eagle3")]
+    capsys.readouterr()
+    assert cli(*argv, "--out", out, "--resume") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "eagle3 head" in err[-1] and "--arch" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_eagle3_features_then_train_from_disk(e3, tmp_path, capsys):
+    from safetensors.torch import load_file
+    tiny, chats, common, cli, ref = e3
+    feats = tmp_path / "f3"
+    assert cli("features", "--model", tiny, "--data", chats, "--out", feats, "--shard-size", 8, "--arch", "eagle3") == 0
+    manifest = json.loads((feats / "manifest.json").read_text())
+    assert manifest["arch"] == "eagle3" and manifest["aux_layers"] == [2, 1, 0]
+    shard = load_file(str(feats / "shard-00000.safetensors"))
+    n = shard["input_ids"].numel()
+    assert shard["features"].shape == (n, 64) and shard["aux_features"].shape == (n, 192)
+    model, _ = load_target(str(tiny), device="cpu")
+    a, b = int(shard["offsets"][0]), int(shard["offsets"][1])
+    with torch.no_grad():
+        f, _, aux = model(shard["input_ids"][a:b].long()[None], torch.arange(b - a)[None], logits=False,
+                          aux_layers=(2, 1, 0))
+    assert torch.allclose(shard["aux_features"][a:b].float(), aux[0], atol=2e-2)
+    assert torch.allclose(shard["features"][a:b].float(), f[0], atol=2e-2)
+    # training from disk follows the in-loop curve (fp16 features: close, not equal)
+    disk = [x for x in common if x not in ("--data", chats)]
+    out = tmp_path / "disk"
+    assert cli(*disk, "--features-dir", feats, "--out", out) == 0
+    for r, s in zip(read_jsonl(out / "train_log.jsonl"), read_jsonl(ref / "train_log.jsonl")):
+        assert r["loss"] == pytest.approx(s["loss"], rel=2e-2)
+    # an EAGLE-1 run reads the same store (its first H columns); an EAGLE-1 store cannot train EAGLE-3
+    assert cli("train", "--model", tiny, "--features-dir", feats, "--out", tmp_path / "e1", "--max-steps", 2,
+               "--batch-tokens", 384) == 0
+    plain = tmp_path / "f1"
+    assert cli("features", "--model", tiny, "--data", chats, "--out", plain, "--shard-size", 8) == 0
+    capsys.readouterr()
+    assert cli(*disk, "--features-dir", plain, "--out", tmp_path / "bad") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no EAGLE-3 layers" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_eagle3_two_process_ddp_matches_one_process_with_grad_accum(tmp_path):
+    """torchrun (gloo, 2 CPU processes) through the unrolled forward: both ranks end identical, and
+    the run equals one process with --grad-accum 2 (as test_ddp checks for EAGLE-1)."""
+    import os
+    import subprocess
+    import sys
+    from safetensors.torch import load_file
+    from test_train import write_chats
+    from eaglespec.cli import main
+    from eaglespec.testing import make_tiny_checkpoint
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    chats = write_chats(tmp_path / "chats.jsonl", n=40)
+    common = ["--model", str(tiny), "--data", str(chats), "--batch-tokens", "256", "--lr", "2e-3", "--warmup-steps", "1",
+              "--max-steps", "3", "--seed", "2", "--device", "cpu", "--eval-conversations", "2", "--arch", "eagle3",
+              "--ttt-steps", "3", "--draft-vocab", "100"]
+    env = {**os.environ, "EAGLESPEC_TEST_CHECKSUM_DIR": str(tmp_path / "sums"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "eaglespec.cli", "train", *common, "--out", str(tmp_path / "ddp")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / "sums" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 3 and r0["sha256"] == r1["sha256"]
+    assert main(["train", *common, "--grad-accum", "2", "--out", str(tmp_path / "single")]) == 0
+    ddp, one = read_jsonl(tmp_path / "ddp" / "train_log.jsonl"), read_jsonl(tmp_path / "single" / "train_log.jsonl")
+    for a, b in zip(ddp, one):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["tokens"] == b["tokens"]
+    a, b = load_file(str(tmp_path / "ddp" / "head" / "model.safetensors")), \
+        load_file(str(tmp_path / "single" / "head" / "model.safetensors"))
+    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5) for k in a)

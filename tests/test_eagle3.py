@@ -549,3 +549,17 @@ def test_eagle3_two_process_ddp_matches_one_process_with_grad_accum(tmp_path):
     a, b = load_file(str(tmp_path / "ddp" / "head" / "model.safetensors")), \
         load_file(str(tmp_path / "single" / "head" / "model.safetensors"))
     assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5) for k in a)
+
+
+def test_compiled_engine_with_an_eagle3_head_matches_eager_greedy(same_or_tie):
+    """The static-shape compiled target (three layers out), catch-up (first) and expand (step) calls."""
+    model, head = eagle3_oracle_pair(noise=0.3, logit_scale=3.0)
+    compiled = Engine(model, head=head, tree=TreeConfig(total_tokens=8), max_context=256, compile="default")
+    accepted = 0
+    for seed in range(2):
+        prompt = torch.randint(3, 320, (10 + 3 * seed,), generator=torch.Generator().manual_seed(seed)).tolist()
+        want = run(Engine(model), prompt, "vanilla").token_ids
+        r = run(compiled, prompt)
+        same_or_tie(model, prompt, r.token_ids, want)
+        accepted += max(r.accept_lengths) > 2
+    assert accepted >= 1

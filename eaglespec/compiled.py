@@ -34,11 +34,12 @@ def configure_inductor():
     global _CONFIGURED
     if _CONFIGURED:
         return
+    # Compiled artifacts (generated C++, autotune choices, FX graphs) persist across runs, so a
+    # second process starts in seconds instead of minutes. Set before inductor is imported: its
+    # modules fix the cache folder (default /tmp/torchinductor_$USER, wiped on reboot) when first used.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     import torch._inductor.config as ic
     import torch._inductor.select_algorithm as sa
-    # Compiled artifacts (generated C++, autotune choices, FX graphs) persist across runs, so a
-    # second process starts in seconds instead of minutes.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     # Each call site has its own fixed shapes (one graph per tree size): a new size must compile a
     # new static graph, not turn the old one into a slower dynamic-shape graph. Only the mask's
     # cache length is dynamic, and only because we mark it so.

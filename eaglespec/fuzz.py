@@ -7,7 +7,8 @@ a chat or raw prompt; `max_new_tokens` in 1..64; stop strings (none, cut from pl
 output so they really hit, several overlapping ones, ones that span an EAGLE round boundary, ones
 that never match); `ignore_eos`; sometimes an extra EOS token taken from plain decoding's own output
 (also just past the budget), since a tiny random model never emits its real one; a tree (dynamic with
-random top-k/depth/size, EAGLE-1 static, chain); the head's full or reduced draft vocabulary; eager
+random top-k/depth/size, fixed or chosen each round by the cost
+model, EAGLE-1 static, chain); the head's full or reduced draft vocabulary; eager
 or compiled (sparsely: compiling costs seconds per shape); and, now and then, the HTTP API
 (chat or completions, streamed and not).
 
@@ -18,6 +19,7 @@ reproduces it: `eaglespec fuzz ... --case '<json>'`.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import random
@@ -34,6 +36,16 @@ MAX_STOPS = 4            # the server's limit (OpenAI's)
 # compiled engines are few and fixed: each costs a compile (seconds on a tiny model, minutes on a real one)
 COMPILED_TREES = ({"kind": "dynamic", "top_k": 4, "depth": 5, "total_tokens": 8},
                   {"kind": "chain", "top_k": 1, "depth": 4, "total_tokens": 16})
+AUTO_SHARE = 0.3         # dynamic trees whose size and depth the cost model picks each round
+
+
+def fuzz_cost_table():
+    """A fixed, CPU-like cost table for auto trees (verifying more tokens costs more), so that the
+    policy picks different sizes and depths as the drafts' scores vary, and no case waits for a
+    calibration measurement (which would also make a case's tree depend on the machine's load)."""
+    from .costmodel import CostTable
+    return CostTable({1: 10.0, 4: 11.0, 8: 13.0, 12: 16.0, 16: 20.0}, draft_first_ms=1.5, draft_step_ms=1.0)
+
 
 RAW_PROMPTS = [
     "Once upon a time", "The quick brown fox", "Question: what is", "def fibonacci(n):\n    ",
@@ -114,10 +126,20 @@ def other_vocab(head, seed: int = 0):
     return head_variant(head, ids)
 
 
+EAGER_ENGINES_KEPT = 8  # eager EAGLE engines kept built; trees are random, so most serve one case
+OWN_TOKENS = 68         # plain decoding's own continuation: the longest budget (64) and a little past it
+
+
 class Engines:
     """The reference (plain decoding, eager) and the EAGLE engines each case needs, built on first use.
-    Every engine gets its own model shell over the shared weights, so no two share a KV cache (a
-    compiled graph must never see its cache replaced by another engine's)."""
+
+    The reference has a model shell of its own over the shared weights, and so has each compiled
+    engine: a compiled graph must never see its cache replaced or written by another engine. The
+    eager EAGLE engines of one draft vocabulary share one model shell and one head shell, so one KV
+    cache, and only the last few are kept: each of hundreds of random trees holding a cache of the
+    whole context (400 MB on SmolLM2-135M) ran a 1,000-case run out of memory. Sharing is safe because
+    cases run one at a time and a generation reads only cache slots it has written itself, exactly as
+    consecutive generations on one engine do."""
 
     def __init__(self, model, tokenizer, head, compile_mode: str | bool = "default"):
         from .engine import Engine
@@ -127,44 +149,77 @@ class Engines:
         self._other_head = lambda: other_vocab(head)
         self.plain = Engine(_share_weights(model), tokenizer, compile=False)  # the reference: plain and eager
         self.base_eos = set(self.plain.eos_ids)
-        self._eagle: dict = {}
-        self._apps: dict = {}
-        self._exit = contextlib.ExitStack()
+        self._eagle: collections.OrderedDict = collections.OrderedDict()  # least recently used first
+        self._apps: dict = {}       # engine key -> open TestClient
+        self._shells: dict = {}     # draft vocabulary -> (model shell, head shell) of the eager engines
+        self._own: dict = {}
 
     def head(self, vocab: str):
         if vocab not in self.heads:
             self.heads[vocab] = self._other_head()
         return self.heads[vocab]
 
+    @staticmethod
+    def _key(case: Case) -> tuple:
+        return json.dumps(case.tree, sort_keys=True), case.vocab, case.compiled
+
     def eagle(self, case: Case):
         from .engine import Engine
         from .serve import _share_weights
         from .tree import TreeConfig
-        key = (json.dumps(case.tree, sort_keys=True), case.vocab, case.compiled)
-        if key not in self._eagle:
-            if case.compiled:
-                _room_for_compiled_engines()
-            head = _share_weights(self.head(case.vocab))
-            self._eagle[key] = Engine(_share_weights(self.model), self.tokenizer, head, TreeConfig(**case.tree),
-                                      compile=self.compile_mode if case.compiled else False)
+        key = self._key(case)
+        if key in self._eagle:
+            self._eagle.move_to_end(key)
+            return self._eagle[key]
+        if case.compiled:
+            _room_for_compiled_engines()
+            model, head = _share_weights(self.model), _share_weights(self.head(case.vocab))
+        else:
+            if case.vocab not in self._shells:
+                self._shells[case.vocab] = (_share_weights(self.model), _share_weights(self.head(case.vocab)))
+            model, head = self._shells[case.vocab]
+        self._eagle[key] = Engine(model, self.tokenizer, head, TreeConfig(**case.tree),
+                                  compile=self.compile_mode if case.compiled else False, cost_table=fuzz_cost_table())
+        eager = [k for k in self._eagle if not k[2]]
+        for old in eager[:max(0, len(eager) - EAGER_ENGINES_KEPT)]:
+            del self._eagle[old]
+            if old in self._apps:
+                self._apps.pop(old).__exit__(None, None, None)
         return self._eagle[key]
 
     def client(self, case: Case):
-        """An in-process HTTP client of a server over this case's EAGLE engine."""
-        key = id(self.eagle(case))
+        """An in-process HTTP client of a server over this case's EAGLE engine (closed with it)."""
+        engine, key = self.eagle(case), self._key(case)
         if key not in self._apps:
             from fastapi.testclient import TestClient
 
             from .serve import create_app
-            app = create_app(self.eagle(case), "fuzz", method="eagle")
-            self._apps[key] = self._exit.enter_context(TestClient(app))
+            client = TestClient(create_app(engine, "fuzz", method="eagle"))
+            client.__enter__()
+            self._apps[key] = client
         return self._apps[key]
 
+    def own(self, case: Case) -> tuple[list[int], str]:
+        """Plain decoding's own continuation of the case's prompt, up to its budget and 4 tokens past
+        it, without stop strings: what the case's stop strings and extra EOS are cut from. Generated
+        once per prompt (a case's own is a prefix of the longest: greedy decoding's first n tokens do
+        not depend on how many follow); it only chooses the case, it is never what a case is checked
+        against."""
+        key = (json.dumps(case.prompt_kwargs(), sort_keys=True), case.ignore_eos)
+        if key not in self._own:
+            self._own[key] = self.plain.generate(**case.prompt_kwargs(), method="vanilla", max_new_tokens=OWN_TOKENS,
+                                                 ignore_eos=case.ignore_eos).token_ids
+        ids = self._own[key][:case.max_new_tokens + 4]
+        return ids, self.tokenizer.decode(ids, skip_special_tokens=True)
+
     @contextlib.contextmanager
-    def eos(self, case: Case):
-        """The case's EOS set on the reference and the case's EAGLE engine (and back afterwards)."""
+    def prepared(self, case: Case):
+        """The case's EOS set on the reference and the case's EAGLE engine (and back afterwards), and
+        a fresh tree policy: an auto tree's policy learns from every round it sees, so without the
+        reset a case's trees would depend on the cases before it and its JSON would not replay it."""
         eos = self.base_eos | ({case.extra_eos} if case.extra_eos is not None else set())
         engines = [self.plain, self.eagle(case)]
+        engines[1].policy = None
         for e in engines:
             e.eos_ids = eos
         try:
@@ -174,7 +229,9 @@ class Engines:
                 e.eos_ids = set(self.base_eos)
 
     def close(self):
-        self._exit.close()
+        for client in self._apps.values():
+            client.__exit__(None, None, None)
+        self._apps.clear()
 
 
 def _room_for_compiled_engines(limit: int = 64) -> None:
@@ -210,8 +267,11 @@ def random_tree(rng: random.Random, candidates: int) -> dict:
     if kind == "static" and candidates < 4:
         kind = "chain"
     if kind == "dynamic":
-        return {"kind": kind, "top_k": rng.randint(1, min(5, candidates)), "depth": rng.randint(1, 6),
+        tree = {"kind": kind, "top_k": rng.randint(1, min(5, candidates)), "depth": rng.randint(1, 6),
                 "total_tokens": rng.randint(1, 20)}
+        if rng.random() < AUTO_SHARE:
+            tree["auto"] = True
+        return tree
     return {"kind": kind, "top_k": 1, "depth": rng.randint(1, 6), "total_tokens": 16}
 
 
@@ -281,16 +341,14 @@ def make_case(rng: random.Random, engines: Engines, compiled_share: float, serve
     if rng.random() < server_share:
         case.server = "chat" if case.messages is not None else "completions"
     # plain decoding's own output (a little past the budget) is where stop strings and EOS come from
-    own = engines.plain.generate(**case.prompt_kwargs(), method="vanilla", max_new_tokens=case.max_new_tokens + 4,
-                                 ignore_eos=case.ignore_eos)
-    if not case.ignore_eos and own.token_ids and rng.random() < 0.4:
-        ids, past = own.token_ids, case.max_new_tokens
+    ids, text = engines.own(case)
+    if not case.ignore_eos and ids and rng.random() < 0.4:
+        past = case.max_new_tokens
         if past < len(ids) and ids[past] not in ids[:past] and rng.random() < 0.6:
             i = past  # the token just past the budget: that EOS must not turn "length" into "stop"
         else:
             i = rng.randrange(len(ids))
         case.extra_eos = ids[i]
-    text = own.text
     style = rng.choice(("none", "own", "own", "overlap", "boundary", "mixed"))
     stops: list[str] = []
     if style == "own":
@@ -298,7 +356,7 @@ def make_case(rng: random.Random, engines: Engines, compiled_share: float, serve
     elif style == "overlap":
         stops = overlapping(rng, text)
     elif style == "boundary":
-        with engines.eos(case):
+        with engines.prepared(case):
             chunks = list(engines.eagle(case).stream(**case.prompt_kwargs(), method="eagle",
                                                      max_new_tokens=case.max_new_tokens + 4,
                                                      ignore_eos=case.ignore_eos))
@@ -342,10 +400,28 @@ def _short(v) -> str:
     return r if len(r) <= 80 else r[:77] + "..."
 
 
+def tau_problems(r, stop_strings: bool) -> list[str]:
+    """tau counts what each round produced up to where the generation stopped: the tokens kept and an
+    EOS that ended it, never the rest of a cut round (the prefill's token costs no round)."""
+    produced = sum(r.accept_lengths) + 1
+    if r.finish_reason == "length":
+        want = {r.new_tokens}
+    elif not stop_strings:
+        want = {r.new_tokens + 1}  # an EOS ended it
+    else:
+        want = {r.new_tokens, r.new_tokens + 1}  # a stop string or an EOS
+    problems = [] if produced in want else [
+        f"tau: rounds produced {produced} tokens for {r.new_tokens} new ({r.finish_reason}): {r.accept_lengths}"]
+    tau = (produced - 1) / r.target_forwards if r.target_forwards else 1.0
+    if len(r.accept_lengths) != r.target_forwards or abs(r.tau - tau) > 1e-9:
+        problems.append(f"tau: {r.tau} is not {produced - 1} tokens over {r.target_forwards} forwards")
+    return problems
+
+
 def run_case(engines: Engines, case: Case) -> Outcome:
     kw = dict(case.prompt_kwargs(), max_new_tokens=case.max_new_tokens, stop=case.stop or None,
               ignore_eos=case.ignore_eos)
-    with engines.eos(case):
+    with engines.prepared(case):
         want = engines.plain.generate(method="vanilla", **kw)
         chunks = list(engines.eagle(case).stream(method="eagle", **kw))
         got = chunks[-1].result
@@ -354,6 +430,7 @@ def run_case(engines: Engines, case: Case) -> Outcome:
         problems += compare({"text": "".join(c.text for c in chunks),
                              "token_ids": [t for c in chunks for t in c.token_ids]},
                             {"text": want.text, "token_ids": want.token_ids}, "stream")
+        problems += tau_problems(got, bool(case.stop))
         if case.server:
             problems += check_server(engines.client(case), case, want)
     outcome = Outcome("ok" if not problems else "diverged", problems, got.tau)
@@ -410,6 +487,7 @@ class Summary:
     coverage: dict = field(default_factory=dict)
     failures: list = field(default_factory=list)
     time_s: float = 0.0
+    interrupted: bool = False               # stopped (Ctrl-C, SIGTERM) before all cases ran
 
     def add(self, case: Case, outcome: Outcome):
         self.cases += 1
@@ -424,33 +502,44 @@ class Summary:
     def line(self) -> str:
         return (f"{self.cases} cases: {self.ok} identical, {self.ties} target ties, {self.diverged} diverged; "
                 f"drafts accepted in {self.accepted}, mean tau {self.tau_sum / max(self.cases, 1):.2f}; "
-                f"{self.time_s:.1f} s")
+                f"{self.time_s:.1f} s" + (" (stopped early)" if self.interrupted else ""))
 
 
 def _coverage_keys(case: Case) -> list[str]:
     keys = ["chat" if case.messages is not None else "raw", f"tree:{case.tree['kind']}", f"vocab:{case.vocab}",
-            "compiled" if case.compiled else "eager"]
+            "compiled" if case.compiled else "eager"] + (["tree:auto"] if case.tree.get("auto") else [])
     keys += ["stop" if case.stop else "no-stop"] + (["extra-eos"] if case.extra_eos is not None else [])
     keys += ["ignore-eos"] if case.ignore_eos else []
     keys += [f"server:{case.server}"] if case.server else []
     return keys
 
 
+def _log(line: str) -> None:
+    print(line, flush=True)  # a long run's log is read while it runs
+
+
 def fuzz(engines: Engines, cases: int, seed: int = 0, compiled_share: float = 0.0, server_share: float = 0.1,
-         repro: Callable[[Case], str] = lambda c: c.to_json(), log=print, every: int = 50,
+         repro: Callable[[Case], str] = lambda c: c.to_json(), log=_log, every: int = 50,
          compiled_trees=COMPILED_TREES) -> Summary:
     """Run `cases` random cases; return the summary. Each divergence is logged with its reproduction."""
     rng = random.Random(seed)
     summary = Summary()
     t0 = time.perf_counter()
     for n in range(1, cases + 1):
-        case = make_case(rng, engines, compiled_share, server_share, compiled_trees)
-        outcome = run_case(engines, case)
+        try:
+            case = make_case(rng, engines, compiled_share, server_share, compiled_trees)
+            outcome = run_case(engines, case)
+        except KeyboardInterrupt:  # a long run stopped on purpose still reports the cases it finished
+            summary.interrupted = True
+            break
         summary.add(case, outcome)
         if outcome.status == "diverged":
             summary.failures.append((case, outcome))
             log(f"DIVERGED case {n}: " + "; ".join(outcome.problems[:3]))
             log(f"  reproduce: {repro(case)}")
+        elif outcome.status == "tie":  # shown, not hidden: either token is plain decoding's there
+            log(f"tie case {n}: {outcome.note}; " + "; ".join(outcome.problems[:2]))
+            log(f"  replay: {repro(case)}")
         if every and n % every == 0:
             summary.time_s = time.perf_counter() - t0
             log(f"fuzz: {summary.line()}")
@@ -475,7 +564,12 @@ def add_cli(sub) -> None:
     p.add_argument("--compiled-share", type=float, default=0.02,
                    help="share of cases run compiled (inductor's default mode; each compiled tree costs a compile)")
     p.add_argument("--server-share", type=float, default=0.1, help="share of cases also sent through the HTTP API")
-    p.add_argument("--case", default=None, metavar="JSON", help="replay one case (as printed by a divergence) (default: random cases)")
+    p.add_argument("--case", default=None, metavar="JSON",
+                   help="replay one case (as printed by a divergence) (default: random cases)")
+    p.add_argument("--log-every", type=int, default=50, help="cases between progress lines (0: none)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 with --tiny, whose every op is overhead that a second "
+                        "OpenMP thread only slows down; else torch's default)")
     p.set_defaults(func=run)
 
 
@@ -507,7 +601,15 @@ def run(args) -> int:
     if args.server_share > 0 and importlib.util.find_spec("httpx") is None:  # FastAPI's TestClient needs it
         raise ValueError("server cases need httpx (pip install httpx==0.28.1, as in requirements.lock), "
                          "or pass --server-share 0")
+    if args.log_every < 0:
+        raise ValueError(f"--log-every must be >= 0, got {args.log_every}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     replay = Case.from_json(args.case) if args.case else None
+    threads = args.threads or (1 if args.tiny else None)
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
     engines, flags = build(args)
     try:
         if replay is not None:
@@ -520,9 +622,15 @@ def run(args) -> int:
         def repro(case: Case) -> str:
             return shlex.join(["eaglespec", "fuzz", *flags, "--case", case.to_json()])
 
-        summary = fuzz(engines, args.cases, args.seed, args.compiled_share, args.server_share, repro)
+        import signal
+
+        def stop(*_):
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGTERM, stop)  # `kill PID` ends a long run with its summary, as Ctrl-C does
+        summary = fuzz(engines, args.cases, args.seed, args.compiled_share, args.server_share, repro,
+                       every=args.log_every)
     finally:
         engines.close()
     print(f"eaglespec fuzz: {summary.line()}")
     print("coverage: " + ", ".join(f"{k} {v}" for k, v in sorted(summary.coverage.items())))
-    return 1 if summary.diverged else 0
+    return 1 if summary.diverged else 130 if summary.interrupted else 0

@@ -33,8 +33,8 @@ def test_fuzz_eager_cases_equal_plain_decoding_in_every_field():
     print(summary.line())
     check(summary, CASES)
     cov = summary.coverage
-    for key in ("chat", "raw", "tree:dynamic", "tree:static", "tree:chain", "vocab:head", "vocab:other", "stop",
-                "no-stop", "extra-eos", "ignore-eos", "server:chat", "server:completions"):
+    for key in ("chat", "raw", "tree:dynamic", "tree:auto", "tree:static", "tree:chain", "vocab:head", "vocab:other",
+                "stop", "no-stop", "extra-eos", "ignore-eos", "server:chat", "server:completions"):
         assert cov.get(key, 0) >= 5, (key, cov)
 
 

@@ -4,6 +4,8 @@ after each token, so EAGLE must too. Also: an Engine refuses a second open strea
 for more draft candidates than the head's vocabulary holds, and keeps rotary frequencies in fp32."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -52,6 +54,26 @@ def test_a_stop_string_cuts_the_round_where_plain_decoding_stops(engine):
     assert max(e.accept_lengths) > 1  # rounds of several tokens were accepted
     # the cut round counts the tokens kept, so tau is what those tokens cost
     assert sum(e.accept_lengths) + 1 == e.new_tokens
+
+
+def test_the_servers_usage_counts_the_tokens_plain_decoding_counts(engine):
+    """usage.completion_tokens, whole and streamed, for the same cut round: 9 tokens, not 11."""
+    from fastapi.testclient import TestClient
+
+    from eaglespec.serve import create_app
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 40, "stop": "N2", "temperature": 0}
+    with TestClient(create_app(engine, "tiny")) as client:
+        for method in ("eagle", "vanilla"):
+            r = client.post("/v1/completions", json={**body, "method": method})
+            assert r.status_code == 200, r.text
+            data = r.json()
+            assert data["usage"]["completion_tokens"] == 9, (method, data["usage"])
+            assert data["choices"][0]["finish_reason"] == "stop"
+            r = client.post("/v1/completions", json={**body, "method": method, "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+            events = [json.loads(line[6:]) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            assert [e["usage"]["completion_tokens"] for e in events if e.get("usage")] == [9], method
 
 
 def test_overlapping_stops_end_at_the_match_that_completes_first(engine):

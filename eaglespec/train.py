@@ -762,6 +762,8 @@ def _train(args, weights, rank: int, world: int) -> int:
     total_steps = min(sum(steps_per_epoch), args.max_steps or sum(steps_per_epoch))
     args.warmup_steps = plan_warmup(args.warmup_steps, total_steps, log)
     plan = {"epochs": args.epochs, "total_steps": total_steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
+    if aux is not None:  # another unroll depth is another objective: a resume keeps it (or --replan)
+        plan["ttt_steps"] = args.ttt_steps
     data_fp = fingerprint_data(train_src.lengths, eval_rows)
     train_tokens = sum(train_src.lengths)
     log(f"train: {len(train_rows):,} conversations ({train_tokens:,} tokens), held-out {len(held_rows):,} "

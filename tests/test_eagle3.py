@@ -484,6 +484,11 @@ def test_eagle3_resume_as_another_arch_is_refused(e3, tmp_path, capsys):
     assert cli(*argv, "--out", out, "--resume") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "eagle3 head" in err[-1] and "--arch" in err[-1] and "Traceback" not in "\n".join(err)
+    # another unroll depth is another plan: refused unless --replan
+    argv = [str(a) for a in common]
+    argv[argv.index("--ttt-steps") + 1] = "5"
+    assert cli(*argv, "--out", out, "--resume") == 2
+    assert "ttt_steps 3 -> 5" in capsys.readouterr().err
 
 
 def test_eagle3_features_then_train_from_disk(e3, tmp_path, capsys):

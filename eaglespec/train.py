@@ -640,11 +640,18 @@ def run_train(args) -> int:
 
 # ---- steps of `_train` -------------------------------------------------------------------------------
 
-def run_aux_layers(args, target, store: FeatureStore | None) -> tuple[int, ...] | None:
+EAGLE1_ONLY = {"noise": 0.1, "feature_weight": 1.0, "ce_weight": 0.1, "loss_weights": None, "no_fc_bias": False}
+
+
+def run_aux_layers(args, target, store: FeatureStore | None, log=print) -> tuple[int, ...] | None:
     """--arch eagle3: the target layers the head fuses (a features folder's own, else --aux-layers or
     the default); None for EAGLE-1."""
     if args.arch != "eagle3":
         return None
+    unused = [f"--{k.replace('_', '-')}" for k, v in EAGLE1_ONLY.items() if getattr(args, k) != v]
+    if unused:
+        log(f"note: {', '.join(unused)} do(es) not apply to --arch eagle3 (cross-entropy only, no input noise, "
+            "fc without bias, as the official EAGLE-3 trainer)")
     wanted = parse_aux_layers(args.aux_layers, target.args.num_hidden_layers)
     if store is None:
         return wanted
@@ -722,7 +729,7 @@ def _train(args, weights, rank: int, world: int) -> int:
         raise ValueError(f"--draft-vocab {args.draft_vocab} is larger than the target's vocabulary "
                          f"({target.args.vocab_size:,} tokens): use at most that, or 0 for the whole vocabulary")
     device = target.embed_tokens.weight.device
-    aux = run_aux_layers(args, target, store)  # EAGLE-3: the target layers the head fuses; None for EAGLE-1
+    aux = run_aux_layers(args, target, store, log)  # EAGLE-3: the target layers the head fuses; None for EAGLE-1
     args.aux_layers_used = ",".join(map(str, aux)) if aux is not None else None
     if store is not None:
         m = store.manifest

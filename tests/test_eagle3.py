@@ -511,7 +511,9 @@ def test_eagle3_features_then_train_from_disk(e3, tmp_path, capsys):
     # training from disk follows the in-loop curve (fp16 features: close, not equal)
     disk = [x for x in common if x not in ("--data", chats)]
     out = tmp_path / "disk"
-    assert cli(*disk, "--features-dir", feats, "--out", out) == 0
+    capsys.readouterr()
+    assert cli(*disk, "--features-dir", feats, "--out", out, "--noise", 0.3) == 0  # EAGLE-1's noise: noted, unused
+    assert "--noise do(es) not apply to --arch eagle3" in capsys.readouterr().out
     for r, s in zip(read_jsonl(out / "train_log.jsonl"), read_jsonl(ref / "train_log.jsonl")):
         assert r["loss"] == pytest.approx(s["loss"], rel=2e-2)
     # an EAGLE-1 run reads the same store (its first H columns); an EAGLE-1 store cannot train EAGLE-3

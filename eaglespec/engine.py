@@ -155,9 +155,15 @@ class Engine:
         check_tree_fits_head(self.tree, head)
         self._draft_ids = head.draft_ids if head is not None else None
         w = model.lm_head.weight
-        self._draft_weight = w if self._draft_ids is None else w[self._draft_ids].contiguous()
+        # The draft LM head rows as a module parameter, not a bare tensor: compiled, it is then frozen
+        # into the graph and gets inductor's prepacked GEMM instead of an extern aten::mm (4x slower here).
+        self._draft_lm = torch.nn.Module()
+        self._draft_lm.weight = torch.nn.Parameter(
+            w if self._draft_ids is None else w[self._draft_ids].contiguous(), requires_grad=False)
         self.compile_mode = (compile if isinstance(compile, str) else default_mode(self.device)) if compile else None
         self.compiled = self.compile_mode is not None
+        if self.compiled:
+            configure_inductor(self.device, w.dtype)
         # One cache for the engine's life: a compiled graph must not see its buffers replaced.
         self._ensure_cache(self.max_context + self._round_slack())
         mode = self.compile_mode
@@ -251,7 +257,7 @@ class Engine:
         return hidden, logits
 
     def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.head.draft_logits(hidden, self._draft_weight).float(), dim=-1)
+        return torch.log_softmax(self.head.draft_logits(hidden, self._draft_lm.weight).float(), dim=-1)
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self._draft_ids is None else self._draft_ids[ids]

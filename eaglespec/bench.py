@@ -654,11 +654,12 @@ def add_cli(sub) -> None:
 
 
 def calibration(engine) -> dict | None:
-    """The cost table this engine's tree policy uses (measured now if not cached), or None without a head."""
+    """The cost table this engine's tree policy uses (measured now if not cached; a full table, with
+    sizes the policy does not use, comes from `eaglespec calibrate`), or None without a head."""
     if engine.head is None:
         return None
     from . import costmodel
-    return costmodel.load_or_measure(engine, costmodel.CALIBRATION_SIZES).to_json()
+    return costmodel.load_or_measure(engine, (1,) + engine.auto_buckets()).to_json()
 
 
 def run(args) -> int:

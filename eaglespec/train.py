@@ -276,23 +276,25 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
         r = F.pad(rows[:, 1 + i:], (0, 1 + i), value=-1)  # the row of s = t + 1 + i, at t
         sel = r >= 0
         idx = r[sel]
-        hidden = out[sel].float()
         keep = draftable[idx]
+        # Only draftable rows can be hit (a draft is always in the draft vocabulary), so the kept
+        # rows' top-3 from the loss pass give the hits of every row, with no second LM head pass.
+        hidden, kept = out[sel][keep].float(), idx[keep]
+        n_loss = int(keep.sum())
         if i < steps:
-            loss, top = _step_ce(module, hidden[keep], p[idx[keep]])
-            n_loss = int(keep.sum())
+            loss, top = _step_ce(module, hidden, p[kept])
             # nothing scored: a zero that still reaches every parameter (DDP expects a gradient for each)
             mean = loss / n_loss if n_loss else module.draft_logits(out[:1, :1]).sum() * 0.0
         else:
             mean, n_loss = None, 0
-        with torch.no_grad():
-            top_all = torch.cat([module.draft_logits(hidden[c:c + CE_CHUNK]).topk(min(3, p.shape[1]), -1).indices
+            with torch.no_grad():
+                top = torch.cat([module.draft_logits(hidden[c:c + CE_CHUNK]).topk(min(3, p.shape[1]), -1).indices
                                  for c in range(0, hidden.shape[0], CE_CHUNK)]) if hidden.shape[0] else \
-                torch.zeros(0, 3, dtype=torch.long, device=hidden.device)
-            guess = top_all if draft_ids is None else draft_ids[top_all]
-            want = best[idx]
-            results.append((mean, int(sel.sum()), int((guess[:, 0] == want).sum()),
-                            int((guess == want[:, None]).any(-1).sum()), n_loss))
+                    torch.zeros(0, 3, dtype=torch.long, device=hidden.device)
+        guess = top if draft_ids is None else draft_ids[top]
+        want = best[kept]
+        results.append((mean, int(sel.sum()), int((guess[:, 0] == want).sum()),
+                        int((guess == want[:, None]).any(-1).sum()), n_loss))
     return results
 
 

@@ -110,7 +110,7 @@ def build_engine(args, head: bool = True, warm: bool = True):
                          dtype=dtype, tree=tree_config(args), max_context=args.max_context,
                          compile=resolve_compile(args))
     if engine.compiled and warm:
-        engine.warmup(progress=compile_progress(quiet=getattr(args, "json", False)))
+        engine.warmup(progress=compile_progress())  # on stderr: never mixes with JSON on stdout
     return engine
 
 

@@ -370,7 +370,8 @@ def add_cli(sub) -> None:
     s = p.add_argument_group("generation")
     s.add_argument("--temperature", type=float, default=None, help="one temperature for all, 0 = greedy (default: 0)")
     s.add_argument("--mix", default=None,
-                   help="temperatures by share, e.g. '0:0.5,0.7:0.5': each conversation's is drawn from its key")
+                   help="temperatures by share, e.g. '0:0.5,0.7:0.5': each conversation's is drawn from its key "
+                        "(default: --temperature for every conversation)")
     s.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer, at most")
     s.add_argument("--max-len", type=int, default=1024,
                    help="tokens per conversation: no answer runs past it, no question is asked after it")

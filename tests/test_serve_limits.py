@@ -224,3 +224,19 @@ def test_shutdown_mid_stream_ends_with_an_error_event_and_done(engine):
     assert events[-1] == "data: [DONE]", events[-3:]
     last = json.loads(events[-2][6:])
     assert "shutting down" in last["error"]["message"] and last["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--max-body-bytes", "0"], "--max-body-bytes must be an integer >= 1"),
+    (["--default-max-tokens", "64", "--max-tokens-cap", "32"], "--default-max-tokens 64 exceeds --max-tokens-cap 32"),
+])
+def test_bad_limit_flags_are_one_line_before_the_model_loads(flags, words, capsys, monkeypatch):
+    from eaglespec import serve
+    from eaglespec.cli import main
+
+    def no_loading(_args):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(serve, "build_engine", no_loading)
+    assert main(["serve", "--model", "unused", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err

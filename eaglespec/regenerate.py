@@ -244,6 +244,8 @@ class Regenerator:
         self.steps = 0                  # batched decoding forwards
         self.row_steps = 0              # rows summed over those forwards
         self.prefills = 0
+        self.sampled = 0                # tokens sampled, EOS included, finished turns or not (for live rates)
+        self.progress: Callable[[], None] | None = None  # called every few steps: a live progress display
 
     def encode(self, history: list[dict]) -> tuple[list[int] | None, str]:
         """The ids Engine.encode(messages=history) gives, or None and why they cannot be used."""
@@ -290,6 +292,7 @@ class Regenerator:
 
     def _take(self, row: _Row, tok: int) -> bool:
         """Feed one sampled token to the turn's stop rule; True when the turn is over (answer recorded)."""
+        self.sampled += 1
         outcome = row.stopper.feed([tok])
         if not outcome.done:
             row.pending = tok
@@ -326,6 +329,8 @@ class Regenerator:
                                            [len(rows[r].cached) for r in active])
                 self.steps += 1
                 self.row_steps += len(active)
+                if self.progress is not None and self.steps % 16 == 0:
+                    self.progress()
                 amax = logits.argmax(-1).tolist()  # one read for every greedy row
                 for i, r in enumerate(active):
                     row = rows[r]
@@ -526,17 +531,18 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
         print(f"resuming: {len(entries) - len(todo)} of {len(entries)} shards already in {out}")
     results = {i: make_jobs(plan[i], mix, args.seed, shard=i) for i in todo}
     left = {i: len(plan[i]) for i in todo}
-    start = last_post = time.perf_counter()
+    start = time.perf_counter()
     bar = tqdm(total=len(convs), initial=sum(e["records"] for e in entries if e["done"]), unit="conv",
                desc="regenerate", smoothing=0.05, mininterval=2.0)
+
+    def show():  # between finished conversations too: the first ones take hundreds of steps
+        bar.set_postfix_str(f"{regen.sampled / max(time.perf_counter() - start, 1e-9):.1f} tok/s, "
+                            f"{regen.row_steps / max(regen.steps, 1):.1f} rows/step", refresh=False)
+        bar.update(0)
+    regen.progress = show
     for job in regen.run(j for i in todo for j in results[i]):
         left[job.shard] -= 1
         bar.update(1)
-        now = time.perf_counter()
-        if now - last_post > 2.0:
-            bar.set_postfix_str(f"{regen.new_tokens / max(now - start, 1e-9):.1f} tok/s, "
-                                f"{regen.row_steps / max(regen.steps, 1):.1f} rows/step", refresh=False)
-            last_post = now
         if left[job.shard] == 0:
             finish_shard(out, entries[job.shard], results.pop(job.shard), save)
             if on_shard is not None:

@@ -14,6 +14,7 @@ from eaglespec.head import EagleHead
 from eaglespec.loading import load_target
 from eaglespec.model import rope_inv_freq
 from eaglespec.testing import tiny_tokenizer
+from eaglespec.stopping import stream_delta
 from eaglespec.tree import TreeConfig
 
 FIELDS = ("token_ids", "text", "finish_reason", "new_tokens", "prompt_tokens")
@@ -190,3 +191,13 @@ def test_a_tiny_temperature_is_greedy_and_a_bad_seed_is_one_line(engine):
     for seed in (2**64, -1, 1.5, "7"):
         with pytest.raises(ValueError, match="seed"):
             engine.generate("Hi", max_new_tokens=2, seed=seed)
+
+
+def test_an_incomplete_character_does_not_let_a_stop_strings_start_out():
+    """A partial UTF-8 character decodes as one U+FFFD per byte so far; counting those as settled text
+    streamed the ';' that began the stop string ';\\x1c\\x19\\u076c\\u02fe' (found by the fuzzer)."""
+    text = "X;\x1c\x19\ufffd\ufffd"  # the stop string is 5 characters: hold back 4 of the settled text
+    delta, sent = stream_delta(text, 0, hold=4, done=False)
+    assert ";" not in delta and sent <= 1
+    final, _ = stream_delta("X", sent, hold=4, done=True)  # the match cut the text at the ';'
+    assert delta + final == "X"

@@ -39,7 +39,7 @@ FORMAT = "eaglespec-regenerated"
 # Settings that decide what a shard holds: a resume must repeat them. --max-conversations may grow
 # (the plan of the first shards stays the same) and --batch-size may change (same outputs, ties aside).
 RESUME_KEYS = ("model_fingerprint", "dtype", "data", "temperatures", "max_new_tokens", "max_len", "seed", "shard_size")
-DEFAULT_BATCH = 16
+DEFAULT_BATCH = 32  # a rough check on the shared 2-core CPU (decode steps at 300 tokens of context): 32 rows 4.7x, 16 rows 3.8x one row
 
 
 # ---- settings --------------------------------------------------------------------------------------

@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from .data import make_batches, split
 from .features import (FeatureStore, add_arch_args, add_data_args, add_model_args, check_positive, load_examples,
                        load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
-from .head import EagleHead, load_head, random_eagle3_head, random_head
-from .model import rotate_half
+from .head import EagleHead, _rotated_qkv, load_head, random_eagle3_head, random_head
 
 EVAL_DEPTHS = 4
 DEFAULT_WARMUP = 100
@@ -336,18 +335,6 @@ def ttt_evaluate(head, target_model, source, batches, steps: int, autocast, dept
 
 # ---- evaluation: the head fed its own features, as when drafting -------------------------------------
 
-def _qkv(attn, x, cos, sin):
-    b, t, _ = x.shape
-    q = attn.q_proj(x).view(b, t, attn.n_heads, attn.hd).transpose(1, 2)
-    k = attn.k_proj(x).view(b, t, attn.n_kv, attn.hd).transpose(1, 2)
-    v = attn.v_proj(x).view(b, t, attn.n_kv, attn.hd).transpose(1, 2)
-    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-    if attn.n_kv != attn.n_heads:
-        rep = attn.n_heads // attn.n_kv
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return q, k, v
-
-
 def _finish(layer, x, y):
     b, h, t, d = y.shape
     x = x + layer.self_attn.o_proj(y.transpose(1, 2).reshape(b, t, h * d))
@@ -375,7 +362,7 @@ def unrolled_predictions(head: EagleHead, embeds: torch.Tensor, feats: torch.Ten
     positions = torch.arange(t, device=feats.device)[None].expand(b, -1)
     x1 = head.fc(torch.cat((embeds, feats.to(embeds.dtype)), -1))
     cos, sin = head.rotary(positions, x1.dtype)
-    q1, k1, v1 = _qkv(attn, x1, cos, sin)
+    q1, k1, v1 = _rotated_qkv(attn, x1, cos, sin)
     outs = [_finish(layer, x1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True))]
     keys, values = [k1], [v1]
     idx = torch.arange(t, device=feats.device)
@@ -383,7 +370,7 @@ def unrolled_predictions(head: EagleHead, embeds: torch.Tensor, feats: torch.Ten
     for step in range(2, depth + 1):
         fed = _shift_right(outs[-1], 1, 1)  # position p gets the previous step's prediction made at p-1
         x = head.fc(torch.cat((embeds, fed.to(embeds.dtype)), -1))
-        q, k, v = _qkv(attn, x, cos, sin)
+        q, k, v = _rotated_qkv(attn, x, cos, sin)
         keys.append(k), values.append(v)
         lag = step - 1
         prefix = (q @ k1.transpose(-1, -2)) * scale

@@ -72,6 +72,7 @@ def table_key(engine) -> dict:
                         engine.model.args.vocab_size],
         "draft_vocab": None if engine._draft_ids is None else int(engine._draft_ids.numel()),
         "head_shape": None if h is None else [h.args.hidden_size, h.args.intermediate_size],
+        "head_arch": None if h is None else type(h).__name__,  # EAGLE-3 drafts with its own LM head: other costs
         "top_k": engine.tree.draft_top_k,
         "device": str(w.device.type) + ("" if w.device.type != "cuda" else ":" + torch.cuda.get_device_name(w.device)),
         "dtype": str(w.dtype).removeprefix("torch."),

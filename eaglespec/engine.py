@@ -157,9 +157,12 @@ class Engine:
         w = model.lm_head.weight
         # The draft LM head rows as a module parameter, not a bare tensor: compiled, it is then frozen
         # into the graph and gets inductor's prepacked GEMM instead of an extern aten::mm (4x slower here).
+        # An EAGLE-3 head has its own LM head: it gets no copy of the target's rows.
         self._draft_lm = torch.nn.Module()
-        self._draft_lm.weight = torch.nn.Parameter(
-            w if self._draft_ids is None else w[self._draft_ids].contiguous(), requires_grad=False)
+        self._draft_lm.weight = None
+        if head is None or getattr(head, "borrows_lm_head", True):
+            self._draft_lm.weight = torch.nn.Parameter(
+                w if self._draft_ids is None else w[self._draft_ids].contiguous(), requires_grad=False)
         self.compile_mode = (compile if isinstance(compile, str) else default_mode(self.device)) if compile else None
         self.compiled = self.compile_mode is not None
         if self.compiled:
@@ -177,7 +180,6 @@ class Engine:
             self._move = self._move_fn
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None
-        self._busy = False
 
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,

@@ -31,6 +31,27 @@ def head_args(target: ModelArgs) -> ModelArgs:
                                qk_norm=False, tie_word_embeddings=False)
 
 
+def layer_config(a: ModelArgs) -> dict:
+    """The config fields both head kinds share: one Llama decoder layer the size of the target's."""
+    return {
+        "model_type": "llama",
+        "hidden_size": a.hidden_size,
+        "intermediate_size": a.intermediate_size,
+        "num_attention_heads": a.num_attention_heads,
+        "num_key_value_heads": a.num_key_value_heads,
+        "head_dim": a.head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": a.vocab_size,
+        "rms_norm_eps": a.rms_norm_eps,
+        "rope_theta": a.rope_theta,
+        "rope_scaling": a.rope_scaling,
+        "max_position_embeddings": a.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
 class EagleHead(nn.Module):
     def __init__(self, args: ModelArgs, bias: bool = True, draft_vocab: torch.Tensor | None = None):
         """draft_vocab: the target token ids the head drafts from, ascending (None: all of them)."""
@@ -93,26 +114,11 @@ class EagleHead(nn.Module):
     # ---- checkpoint format ----------------------------------------------------------------------
 
     def hf_config(self) -> dict:
-        a = self.args
         return {
             "architectures": ["LlamaForCausalLMEagle"],
-            "model_type": "llama",
-            "hidden_size": a.hidden_size,
-            "intermediate_size": a.intermediate_size,
-            "num_attention_heads": a.num_attention_heads,
-            "num_key_value_heads": a.num_key_value_heads,
-            "head_dim": a.head_dim,
-            "num_hidden_layers": 1,
-            "vocab_size": a.vocab_size,
-            "rms_norm_eps": a.rms_norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": a.rope_scaling,
-            "max_position_embeddings": a.max_position_embeddings,
-            "hidden_act": "silu",
+            **layer_config(self.args),
             "bias": self.bias,
-            "qkv_bias": a.qkv_bias,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
+            "qkv_bias": self.args.qkv_bias,
             **({"draft_vocab_size": int(self.d2t.numel())} if self.draft_ids is not None else {}),
         }
 
@@ -282,6 +288,8 @@ class Eagle3Head(nn.Module):
             outs.append(h)
         return outs
 
+    borrows_lm_head = False  # its own norm + lm_head: the engine passes no target rows
+
     def draft_logits(self, hidden: torch.Tensor, target_lm_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Its own LM head over the draft vocabulary (`target_lm_rows` is unused: the interface is EAGLE-1's)."""
         return self.lm_head(self.norm(hidden))
@@ -292,24 +300,10 @@ class Eagle3Head(nn.Module):
         a, aux = self.args, self.aux_layers
         return {
             "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": a.hidden_size,
+            **layer_config(a),
             "target_hidden_size": a.hidden_size,  # fc reads 3 x this (SpecForge, vLLM)
-            "intermediate_size": a.intermediate_size,
-            "num_attention_heads": a.num_attention_heads,
-            "num_key_value_heads": a.num_key_value_heads,
-            "head_dim": a.head_dim,
-            "num_hidden_layers": 1,
-            "vocab_size": a.vocab_size,
             "draft_vocab_size": int(self.d2t.numel()),
-            "rms_norm_eps": a.rms_norm_eps,
-            "rope_theta": a.rope_theta,
-            "rope_scaling": a.rope_scaling,
-            "max_position_embeddings": a.max_position_embeddings,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
             "norm_before_residual": self.midlayer.norm_before_residual,
-            "torch_dtype": "float32",
             # SGLang/SpecForge name a layer by the one whose *output* is taken (SGLang adds 1 to capture
             # the hidden state entering the next): ours enter `aux`, so they are aux - 1. vLLM ignores
             # this nested key and uses its default, the same layers when `aux` is the default.

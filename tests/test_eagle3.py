@@ -16,7 +16,7 @@ from eaglespec.loading import load_target
 from eaglespec.model import ModelArgs, Transformer, default_aux_layers
 from eaglespec.testing import FAMILIES
 from eaglespec.tree import Drafter, TreeConfig
-from test_lossless import KINDS, NEW, SAMPLING, chi_square_pvalue, exact_continuations, random_prompts, run
+from test_lossless import KINDS, NEW, SAMPLING, check_lossless, chi_square_pvalue, exact_continuations, random_prompts, run
 
 # The official EAGLE-3 checkpoint keys (SafeAILab/EAGLE eagle/traineagle3/cnets.py: Model.fc, .midlayer
 # = LlamaDecoderLayeremb with hidden_norm/input_layernorm/self_attn/mlp/post_attention_layernorm, .norm,
@@ -69,16 +69,6 @@ def eagle3_oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0,
         for p in head.parameters():
             p += noise * p.std() * torch.randn_like(p)
     return model.eval().requires_grad_(False), head.eval().requires_grad_(False)
-
-
-def check_lossless(engine, prompts, vanilla, same_or_tie):
-    results = []
-    for prompt, want in zip(prompts, vanilla):
-        r = run(engine, prompt)
-        assert r.new_tokens == NEW and r.finish_reason == "length"
-        same_or_tie(engine.model, prompt, r.token_ids, want)
-        results.append(r)
-    return results
 
 
 # ---- the target's three layers ---------------------------------------------------------------------
@@ -529,33 +519,9 @@ def test_eagle3_features_then_train_from_disk(e3, tmp_path, capsys):
 
 def test_eagle3_two_process_ddp_matches_one_process_with_grad_accum(tmp_path):
     """torchrun (gloo, 2 CPU processes) through the unrolled forward: both ranks end identical, and
-    the run equals one process with --grad-accum 2 (as test_ddp checks for EAGLE-1)."""
-    import os
-    import subprocess
-    import sys
-    from safetensors.torch import load_file
-    from test_train import write_chats
-    from eaglespec.cli import main
-    from eaglespec.testing import make_tiny_checkpoint
-    tiny = make_tiny_checkpoint(tmp_path / "tiny")
-    chats = write_chats(tmp_path / "chats.jsonl", n=40)
-    common = ["--model", str(tiny), "--data", str(chats), "--batch-tokens", "256", "--lr", "2e-3", "--warmup-steps", "1",
-              "--max-steps", "3", "--seed", "2", "--device", "cpu", "--eval-conversations", "2", "--arch", "eagle3",
-              "--ttt-steps", "3", "--draft-vocab", "100"]
-    env = {**os.environ, "EAGLESPEC_TEST_CHECKSUM_DIR": str(tmp_path / "sums"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "eaglespec.cli", "train", *common, "--out", str(tmp_path / "ddp")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / "sums" / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0["step"] == r1["step"] == 3 and r0["sha256"] == r1["sha256"]
-    assert main(["train", *common, "--grad-accum", "2", "--out", str(tmp_path / "single")]) == 0
-    ddp, one = read_jsonl(tmp_path / "ddp" / "train_log.jsonl"), read_jsonl(tmp_path / "single" / "train_log.jsonl")
-    for a, b in zip(ddp, one):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["tokens"] == b["tokens"]
-    a, b = load_file(str(tmp_path / "ddp" / "head" / "model.safetensors")), \
-        load_file(str(tmp_path / "single" / "head" / "model.safetensors"))
-    assert all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5) for k in a)
+    the run equals one process with --grad-accum 2 (test_ddp's check, for EAGLE-3)."""
+    from test_ddp import ddp_matches_grad_accum
+    ddp_matches_grad_accum(tmp_path, ["--arch", "eagle3", "--ttt-steps", "3", "--draft-vocab", "100"], steps=3)
 
 
 def test_compiled_engine_with_an_eagle3_head_matches_eager_greedy(same_or_tie):

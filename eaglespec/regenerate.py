@@ -214,7 +214,7 @@ class BatchDecoder:
         if self.compiled:
             torch._dynamo.mark_dynamic(mask, 3)  # one graph for every context length
         logits = self._run(self._step, torch.tensor(tok, device=dev)[:, None], pos_t, mask)
-        return logits if len(rows) == self.batch and rows == list(range(self.batch)) else logits[torch.tensor(rows, device=dev)]
+        return logits if rows == list(range(self.batch)) else logits[torch.tensor(rows, device=dev)]
 
 
 # ---- one conversation ----------------------------------------------------------------------------------
@@ -535,14 +535,10 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     if args.max_len > target.args.max_position_embeddings:
         raise ValueError(f"--max-len {args.max_len} is longer than the model's context "
                          f"({target.args.max_position_embeddings} tokens)")
-    from .compiled import compiler_available, default_mode
-    mode = None
-    if args.compile:
-        why = compiler_available()
-        if why is None:
-            mode = default_mode(target.embed_tokens.weight.device)
-        else:
-            print(f"eaglespec: running eager: cannot compile here ({why})", file=sys.stderr)
+    from .cli import resolve_compile
+    from .compiled import default_mode
+    # opt-in here (eager measured faster at 32 rows); resolve_compile gives the no-compiler notice
+    mode = default_mode(target.embed_tokens.weight.device) if args.compile and resolve_compile(args) else None
     regen = Regenerator(target, tokenizer, args.batch_size, args.max_len, args.max_new_tokens, mode)
     plan = [convs[i:i + args.shard_size] for i in range(0, len(convs), args.shard_size)]
     manifest = {

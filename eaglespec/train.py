@@ -91,6 +91,24 @@ def add_cli(sub) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: die like a killed run
     p.set_defaults(func=run_train, parser=p)
+    add_evaluate_cli(sub)
+
+
+def add_evaluate_cli(sub) -> None:
+    p = sub.add_parser("evaluate", help="held-out accuracy of a head (top-1 at draft depths 1-4) on any data")
+    add_model_args(p)
+    p.add_argument("--head", required=True, help="the head folder (a training run's OUT/head)")
+    d = add_data_args(p)
+    d.add_argument("--features-dir", default=None, help="features from `eaglespec features` (default: --data, "
+                                                        "the target run in the loop)")
+    e = p.add_argument_group("evaluation")
+    e.add_argument("--held-out", type=float, default=0.05,
+                   help="the held-out fraction the split was made with (a hash of each chat, as in train)")
+    e.add_argument("--eval-conversations", type=int, default=40, help="held-out conversations evaluated")
+    e.add_argument("--seed", type=int, default=0, help="the split's seed (train's --seed)")
+    e.add_argument("--ttt-steps", type=int, default=7, metavar="K", help="eagle3 heads: the loss's unroll depth")
+    e.add_argument("--json", default=None, metavar="PATH", help="also write the metrics to PATH (default: print only)")
+    p.set_defaults(func=run_evaluate, parser=p)
 
 
 def command_line(args, world: int) -> str:
@@ -690,6 +708,56 @@ def resumed_head(args, target, ckpt: Path, out: Path, fresh, data_fp, plan, per_
         raise ValueError(f"the checkpoint used {saved.get('micro_batches_per_step')} micro-batches per step "
                          f"(processes x grad-accum), this run {per_step}")
     return head, saved
+
+
+def run_evaluate(args) -> int:
+    """The held-out split of --features-dir / --data, as `train` makes it, scored for --head: a head trained
+    on one corpus is measured on another's held-out text (the ablation's common yardstick)."""
+    check_positive(eval_conversations=args.eval_conversations, max_len=args.max_len, ttt_steps=args.ttt_steps)
+    store = FeatureStore(args.features_dir) if args.features_dir else None
+    if store is not None and args.model is None and store.manifest.get("model") not in (None, "default"):
+        args.model = store.manifest["model"]
+    target, tokenizer, _ = load_model(args)
+    head = load_head(args.head, target.args)
+    device = target.embed_tokens.weight.device
+    aux = getattr(head, "aux_layers", None)
+    if store is not None:
+        m = store.manifest
+        if m["model_fingerprint"] != model_fingerprint(target):
+            raise ValueError(f"features in {store.folder} were computed with another model ({m.get('model')})")
+        if aux is not None and tuple(m.get("aux_layers") or ()) != tuple(aux):
+            raise ValueError(f"the EAGLE-3 head fuses layers {list(aux)} but {store.folder} holds "
+                             f"{m.get('aux_layers') or 'the last feature only'}: compute features with --arch eagle3 "
+                             f"--aux-layers {','.join(map(str, aux))}")
+        keys, desc = store.keys, str(store.folder)
+    else:
+        examples, _ = load_examples(tokenizer, args.data or "sharegpt", args.max_conversations, args.max_len or 2048)
+        keys, desc = [e.key for e in examples], args.data or "sharegpt"
+    _, held_rows = split(keys, args.seed, args.held_out)
+    rows = held_rows[: args.eval_conversations]
+    if not rows:
+        raise ValueError(f"no held-out conversations in {desc} (fraction {args.held_out}): add data or raise --held-out")
+    if store is not None:
+        src = StoredSource(store, rows, device, None if aux is not None else target.args.hidden_size)
+    else:
+        src = InLoopSource([examples[i] for i in rows], target, aux_layers=aux)
+    batches = make_batches(src.lengths, max(max(src.lengths), args.batch_tokens // 4), args.seed, 999_999)
+    head = head.to(device=device, dtype=torch.float32)
+    vocab = None if head.draft_ids is None else (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    t0 = time.perf_counter()
+    if aux is not None:
+        sums = ttt_evaluate(head, target, src, batches, args.ttt_steps, autocast, vocab=vocab)
+    else:
+        # the weights only combine the reported loss; the accuracies do not depend on them
+        sums = evaluate(head, target, src, batches, (1.0, 0.1), autocast, vocab=vocab)
+    res = {"head": str(args.head), "data": desc, "conversations": len(rows), **eval_metrics(sums),
+           "seconds": round(time.perf_counter() - t0, 1)}
+    print(f"held-out ({len(rows)} conversations, {res['tokens']:,} positions of {desc}): top1 {res['top1']:.3f} "
+          f"top3 {res['top3']:.3f} " + " ".join(f"d{k} {res[f'top1_depth{k}']:.3f}" for k in range(2, EVAL_DEPTHS + 1)))
+    if args.json:
+        Path(args.json).expanduser().write_text(json.dumps(res, indent=1) + "\n")
+    return 0
 
 
 def _train(args, weights, rank: int, world: int) -> int:

@@ -338,3 +338,27 @@ def test_bad_input_gives_one_line_errors(tiny, chats, tmp_path, trained, capsys)
         __import__("shutil").copytree(trained / p, out / p)
     msg = one_line_error(capsys, *common(other, chats, out), "--epochs", 2, "--resume")
     assert "does not fit the target" in msg and "hidden_size" in msg
+
+
+def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny, chats, tmp_path, capsys):
+    """`eaglespec evaluate` rebuilds train's held-out split and evaluation: on the run's own data it gives
+    the run's last held-out numbers, so it can score any head on any corpus with the same yardstick."""
+    out = tmp_path / "ev.json"
+    assert cli("evaluate", "--model", tiny, "--head", trained / "head", "--data", chats, "--batch-tokens", 384,
+               "--seed", 1, "--eval-conversations", 32, "--json", out) == 0
+    got, last = json.loads(out.read_text()), read_jsonl(trained / "metrics.jsonl")[-1]
+    for k in ("top1", "top3", "top1_depth2", "top1_depth3", "top1_depth4", "tokens"):
+        assert got[k] == pytest.approx(last[k], abs=1e-4), k
+    assert "held-out" in capsys.readouterr().out
+    # a random head scores lower on the same positions: the numbers measure the head
+    rnd = tmp_path / "rnd"
+    model, _ = load_target(str(tiny), device="cpu")
+    random_head(model.args, seed=3).save(rnd)
+    assert cli("evaluate", "--model", tiny, "--head", rnd, "--data", chats, "--batch-tokens", 384, "--seed", 1,
+               "--eval-conversations", 32, "--json", out) == 0
+    assert json.loads(out.read_text())["top1"] < got["top1"]
+    # bad input: one line, exit 2
+    capsys.readouterr()
+    assert cli("evaluate", "--model", tiny, "--head", tmp_path / "nope", "--data", chats) == 2
+    err = capsys.readouterr().err.strip()
+    assert "head not found" in err and len(err.splitlines()) == 1

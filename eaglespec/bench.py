@@ -649,8 +649,45 @@ def add_cli(sub) -> None:
     p.add_argument("--report", default=None, metavar="OUT_DIR", help="write report.md and PNG plots here (default: not written)")
     p.add_argument("--no-token-ids", action="store_true", help="keep only a hash of each output's ids in the JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--heads", default=None, metavar="NAME=PATH,...",
+                   help="more heads to compare in the same interleaved run: each adds the method eagle@NAME, "
+                        "drafted by PATH on the same target with the same tree (default: none)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def parse_heads(text: str | None) -> dict[str, str]:
+    """--heads "a=runs/x/head,b=runs/y/head" -> {"a": ..., "b": ...}; names become methods eagle@NAME."""
+    out: dict[str, str] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, sep, path = part.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--heads takes NAME=PATH pairs separated by commas, got '{part.strip()}'")
+        if name in out:
+            raise ValueError(f"--heads names '{name}' twice")
+        out[name] = path
+    return out
+
+
+def head_engines(engine, heads: dict[str, str], progress: bool) -> dict[str, object]:
+    """One more engine per extra head, on the same target weights (its own KV cache and compiled calls,
+    so that no compiled graph sees a swapped module), with the main engine's tree and context."""
+    from .engine import Engine
+    from .head import load_head
+    w = engine.model.embed_tokens.weight
+    out = {}
+    for name, path in heads.items():
+        head = load_head(path, engine.model.args).to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
+        e = Engine(engine.model, engine.tokenizer, head, engine.tree, engine.max_context, engine.compile_mode or False)
+        e.head_source = path
+        if e.compiled:
+            from .cli import compile_progress
+            e.warmup(progress=compile_progress(quiet=not progress))
+        out[name] = e
+    return out
 
 
 def calibration(engine) -> dict | None:
@@ -677,11 +714,15 @@ def run(args) -> int:
         if args.max_turns < 1:
             raise ValueError(f"--max-turns must be >= 1, got {args.max_turns}")
         questions = [dataclasses.replace(q, turns=q.turns[: args.max_turns]) for q in questions]
+    extra_heads = parse_heads(args.heads)
     engine = build_engine(args)
     if getattr(engine, "head_source", None) == "random" and any(n.startswith("eagle") for n in names):
         print("eaglespec bench: the draft head is random (no trained head given or shipped): "
               "EAGLE's figures will show its overhead, not its speed-up", file=sys.stderr)
     methods = {name: build_method(name, engine, args.model) for name in names}
+    for name, e in head_engines(engine, extra_heads, not args.no_progress).items():
+        methods[f"eagle@{name}"] = build_method("eagle", e, args.model)
+    names = list(methods)
     records = run_bench(engine, questions, methods, args.max_new_tokens, args.temperature, args.seed,
                         progress=not args.no_progress)
     figs = summarize(records, methods, args.temperature)

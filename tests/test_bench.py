@@ -217,6 +217,7 @@ def test_named_dataset_resolves(tmp_path):
     ('{"question_id": 1, "turns": ["hi"]}\n', ["--methods", "vanilla,nope"], "unknown method"),
     ('{"question_id": 1, "turns": ["hi"]}\n', ["--max-new-tokens", "0"], "--max-new-tokens"),
     ('{"question_id": 1, "turns": ["hi"]}\n', ["--temperature", "-1"], "temperature"),
+    ('{"question_id": 1, "turns": ["hi"]}\n', ["--heads", "nopath"], "NAME=PATH"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, content, extra, message):
     path = tmp_path / "q.jsonl"
@@ -291,3 +292,23 @@ def test_the_real_wheels_give_eagles_files_byte_for_byte(tmp_path, monkeypatch):
     for name, digest in sha.items():
         path = bench.standard_set(name)
         assert hashlib.sha256(path.read_bytes()).hexdigest() == digest, name
+
+
+def test_more_heads_run_interleaved_in_one_bench(tiny, questions, tmp_path):
+    """--heads adds eagle@NAME per head on the same target: the main head saved again gives the same rounds
+    (so the extra engine is a faithful copy), and every head stays lossless."""
+    from eaglespec.head import random_head
+    from eaglespec.loading import load_target
+    target, _ = load_target(str(tiny), device="cpu")
+    random_head(target.args).save(tmp_path / "same")  # what --head random builds
+    random_head(target.args, seed=5).save(tmp_path / "other")
+    result = run_cli(tiny, questions, tmp_path, "--methods", "vanilla,eagle",
+                     "--heads", f"same={tmp_path / 'same'},other={tmp_path / 'other'}")
+    m = result["methods"]
+    assert set(m) == {"vanilla", "eagle", "eagle@same", "eagle@other"}
+    assert result["greedy_identical"] and all(m[k]["greedy_identical"] for k in m)
+    assert m["eagle@same"]["rounds"] == m["eagle"]["rounds"]
+    assert m["eagle@same"]["accept_length_histogram"] == m["eagle"]["accept_length_histogram"]
+    assert result["settings"]["heads"] == f"same={tmp_path / 'same'},other={tmp_path / 'other'}"
+    firsts = [r["method"] for r in result["records"] if r["turn"] == 1][::4]
+    assert firsts == ["vanilla", "eagle", "eagle@same"]  # they take turns like any method

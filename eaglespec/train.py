@@ -626,6 +626,20 @@ def choose_draft_vocab(token_masks, n: int, vocab_size: int) -> tuple[torch.Tens
     return ids, float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
 
+def first_conversations(rows: list[int], keys: list[str], n: int) -> list[int]:
+    """The rows of the first n conversations among `rows` (the parts of one chat share a key). A learning
+    curve trains on growing prefixes of one feature store against the same held-out split."""
+    seen: set[str] = set()
+    out = []
+    for r in rows:
+        if keys[r] not in seen:
+            if len(seen) >= n:
+                break
+            seen.add(keys[r])
+        out.append(r)
+    return out
+
+
 def fingerprint_data(lengths: list[int], held: list[int]) -> str:
     import hashlib
     return hashlib.sha256(json.dumps([lengths, held]).encode()).hexdigest()[:16]
@@ -778,7 +792,7 @@ def _train(args, weights, rank: int, world: int) -> int:
         m = store.manifest
         if args.model is None and m.get("model") not in (None, "default"):
             args.model = m["model"]
-        ignored = [f"--{n.replace('_', '-')}" for n in ("data", "max_conversations", "max_len") if getattr(args, n) is not None]
+        ignored = [f"--{n.replace('_', '-')}" for n in ("data", "max_len") if getattr(args, n) is not None]
         if ignored:
             log(f"note: {', '.join(ignored)} ignored: the data come from {store.folder}")
     target, tokenizer, _ = load_model(args)
@@ -804,6 +818,10 @@ def _train(args, weights, rank: int, world: int) -> int:
         data_desc = f"{args.data or 'sharegpt'} (max-len {max_len}, features computed in the loop)"
         keys = [e.key for e in examples]
     train_rows, held_rows = split(keys, args.seed, args.held_out)
+    if store is not None and args.max_conversations is not None:
+        train_rows = first_conversations(train_rows, keys, args.max_conversations)
+        log(f"--max-conversations {args.max_conversations}: training on the first {len(train_rows):,} train rows of "
+            f"{store.folder}; the held-out split stays the whole store's")
     eval_rows = held_rows[: args.eval_conversations]
     if not train_rows:
         raise ValueError("no training conversations after the held-out split")

@@ -263,7 +263,7 @@ def test_resume_after_a_kill_continues_on_the_same_curve(tiny, chats, tmp_path, 
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
-def test_features_then_train_from_disk(tiny, chats, tmp_path, trained):
+def test_features_then_train_from_disk(tiny, chats, tmp_path, trained, capsys):
     feats = tmp_path / "feats"
     argv = ["features", "--model", tiny, "--data", chats, "--out", feats, "--shard-size", 10, "--batch-tokens", 512]
     assert cli(*argv) == 0
@@ -295,6 +295,13 @@ def test_features_then_train_from_disk(tiny, chats, tmp_path, trained):
     assert len(ours) == len(ref)
     for r, s in zip(ours, ref):
         assert r["loss"] == pytest.approx(s["loss"], rel=2e-2)
+    # a learning curve's point: the first 10 conversations of the same store, against the same held-out split
+    small = tmp_path / "small"
+    assert cli("train", "--features-dir", feats, "--out", small, "--batch-tokens", 384, "--seed", 1, "--max-steps", 2,
+               "--max-conversations", 10, "--model", tiny) == 0
+    printed = capsys.readouterr().out
+    assert "training on the first 10 train rows" in printed and "train: 10 conversations" in printed
+    assert read_jsonl(small / "metrics.jsonl")[-1]["tokens"] == read_jsonl(out / "metrics.jsonl")[-1]["tokens"]
 
 
 def test_features_grow_with_more_conversations(tiny, chats, tmp_path):

@@ -681,7 +681,13 @@ def head_engines(engine, heads: dict[str, str], progress: bool) -> dict[str, obj
     out = {}
     for name, path in heads.items():
         head = load_head(path, engine.model.args).to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
+        cache = engine.model.cache
         e = Engine(engine.model, engine.tokenizer, head, engine.tree, engine.max_context, engine.compile_mode or False)
+        assert engine.model.cache is cache  # same context and tree: the target's cache is reused, not replaced
+        if getattr(head, "aux_layers", None) == getattr(engine.head, "aux_layers", None):
+            # The target's calls read the same layers for both heads: share the compiled graphs (most of a
+            # compile) instead of compiling them again. Generations run one at a time, so one cache serves.
+            e._target_call, e._move = engine._target_call, engine._move
         e.head_source = path
         if e.compiled:
             from .cli import compile_progress

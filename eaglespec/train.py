@@ -80,6 +80,9 @@ def add_cli(sub) -> None:
     t.add_argument("--epochs", type=int, default=1)
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step (per process)")
     t.add_argument("--max-steps", type=int, default=None, help="stop after this many optimiser steps (default: all epochs)")
+    t.add_argument("--init-head", default=None, metavar="HEAD",
+                   help="start from this head's weights (fine-tuning, e.g. the shipped head on regenerated answers); "
+                        "it keeps its own draft vocabulary (default: a fresh head)")
     r = p.add_argument_group("run")
     r.add_argument("--out", required=True, help="output folder")
     r.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
@@ -703,6 +706,34 @@ def new_head(args, target, draft_vocab, aux):
     return random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab)
 
 
+def initial_head(args, target, aux, log):
+    """--init-head: fine-tune a trained head (e.g. the shipped one on regenerated answers); it keeps its own
+    draft vocabulary."""
+    head = load_head(args.init_head, target.args)
+    if head.aux_layers != aux:
+        raise ValueError(f"--init-head {args.init_head} is an {head.arch} head"
+                         + (f" on layers {','.join(map(str, head.aux_layers))}" if head.aux_layers else "")
+                         + f", this run trains --arch {args.arch}" + (f" on layers {','.join(map(str, aux))}" if aux else ""))
+    if args.draft_vocab:
+        log("note: --draft-vocab ignored: --init-head keeps its own draft vocabulary")
+    return head
+
+
+def vocab_coverage(ids, store, examples, train_rows, vocab_size: int, log) -> float:
+    """The share of the training data's assistant tokens inside draft vocabulary `ids` (None: all)."""
+    if ids is None:
+        return 1.0
+    pairs = (store.tokens(r) for r in train_rows) if store is not None else \
+        ((examples[r].ids, examples[r].mask) for r in train_rows)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for tok, mask in pairs:
+        counts += torch.bincount(torch.as_tensor(tok)[torch.as_tensor(mask, dtype=torch.bool)], minlength=vocab_size)
+    coverage = float(counts[ids].sum()) / max(int(counts.sum()), 1)
+    log(f"draft vocabulary: the initial head's {ids.numel():,} tokens, covering {coverage:.1%} of the training "
+        f"data's assistant tokens")
+    return coverage
+
+
 def resumed_head(args, target, ckpt: Path, out: Path, fresh, data_fp, plan, per_step, log):
     """The checkpoint's head and saved state, refused (one line) unless it continues this very run."""
     head = load_head(ckpt / "head", target.args)  # ValueError (one line) if it does not fit the target
@@ -802,6 +833,7 @@ def _train(args, weights, rank: int, world: int) -> int:
     device = target.embed_tokens.weight.device
     aux = run_aux_layers(args, target, store, log)  # EAGLE-3: the target layers the head fuses; None for EAGLE-1
     args.aux_layers_used = ",".join(map(str, aux)) if aux is not None else None
+    init = initial_head(args, target, aux, log) if args.init_head else None  # before the data: fail fast
     if store is not None:
         m = store.manifest
         if (m["hidden_size"], m["vocab_size"]) != (target.args.hidden_size, target.args.vocab_size) \
@@ -852,8 +884,12 @@ def _train(args, weights, rank: int, world: int) -> int:
         f"(evaluating {len(eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= {args.batch_tokens} "
         f"tokens; {world} process(es) on {device}")
 
-    draft_vocab, coverage = run_draft_vocab(args, target, store, examples if store is None else None, train_rows, log)
-    head = new_head(args, target, draft_vocab, aux)
+    if init is not None:
+        head, draft_vocab, coverage = init, init.draft_ids, vocab_coverage(
+            init.draft_ids, store, examples if store is None else None, train_rows, target.args.vocab_size, log)
+    else:
+        draft_vocab, coverage = run_draft_vocab(args, target, store, examples if store is None else None, train_rows, log)
+        head = new_head(args, target, draft_vocab, aux)
     state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0, "wall_time": 0.0, "commands": []}
     if ckpt is not None:
         head, saved = resumed_head(args, target, ckpt, out, head, data_fp, plan, per_step, log)

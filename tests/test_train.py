@@ -369,3 +369,18 @@ def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny
     assert cli("evaluate", "--model", tiny, "--head", tmp_path / "nope", "--data", chats) == 2
     err = capsys.readouterr().err.strip()
     assert "head not found" in err and len(err.splitlines()) == 1
+
+
+def test_init_head_fine_tunes_a_trained_head(trained, tiny, chats, tmp_path, capsys):
+    """--init-head starts from a trained head's weights (its loss starts where that run ended, far below
+    a fresh head's) and keeps that head's draft vocabulary; another --arch is refused in one line."""
+    out = tmp_path / "ft"
+    assert cli(*common(tiny, chats, out, "--init-head", trained / "head", "--max-steps", 2)) == 0
+    first = read_jsonl(out / "train_log.jsonl")[0]["loss"]
+    ref = read_jsonl(trained / "train_log.jsonl")
+    assert first < ref[0]["loss"] and first == pytest.approx(ref[-1]["loss"], rel=0.5)
+    assert "eaglespec train" in (out / "card.md").read_text() and "--init-head" in (out / "card.md").read_text()
+    capsys.readouterr()
+    assert cli(*common(tiny, chats, tmp_path / "ft3", "--init-head", trained / "head", "--arch", "eagle3")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--init-head" in err and len(err.splitlines()) == 1

@@ -1068,8 +1068,10 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
          f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
          f"noise U(-{args.noise}, {args.noise}) (not length-scaled)"),
         ("- Draft vocabulary: the whole vocabulary" if head_vocab is None else
-         f"- Draft vocabulary: {head_vocab[0]:,} most frequent assistant tokens (covering {head_vocab[1]:.1%} of the "
-         "training data's assistant tokens)"),
+         f"- Draft vocabulary: {head_vocab[0]:,} "
+         + (f"tokens of the initial head ({args.init_head})" if args.init_head else "most frequent assistant tokens")
+         + f" (covering {head_vocab[1]:.1%} of the training data's assistant tokens)"),
+        *([f"- Initial weights: {args.init_head} (fine-tuned)"] if args.init_head else []),
         f"- Optimiser: AdamW lr {args.lr}, betas (0.9, 0.95), weight decay {args.weight_decay}, warm-up "
         f"{args.warmup_steps} steps then linear decay; clip by {args.clip_mode} {args.clip}",
         "", "## Held-out accuracy (against the target's argmax)", "",

@@ -619,12 +619,25 @@ def validate(args) -> None:
         raise ValueError(f"--held-out must be in [0, 1), got {args.held_out}")
 
 
-def choose_draft_vocab(token_masks, n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The n most frequent assistant tokens (ties: lower id), ascending, and the share of assistant
-    tokens they cover. `token_masks` yields (ids, assistant mask) per conversation."""
+def assistant_token_counts(token_masks, vocab_size: int) -> torch.Tensor:
+    """How often each token id is written by the assistant; `token_masks` yields (ids, assistant mask)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for ids, mask in token_masks:
         counts += torch.bincount(torch.as_tensor(ids)[torch.as_tensor(mask, dtype=torch.bool)], minlength=vocab_size)
+    return counts
+
+
+def training_token_masks(store, examples, train_rows):
+    """(ids, assistant mask) of each training conversation, from the feature store or the examples."""
+    if store is not None:
+        return (store.tokens(r) for r in train_rows)
+    return ((examples[r].ids, examples[r].mask) for r in train_rows)
+
+
+def choose_draft_vocab(token_masks, n: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The n most frequent assistant tokens (ties: lower id), ascending, and the share of assistant
+    tokens they cover. `token_masks` yields (ids, assistant mask) per conversation."""
+    counts = assistant_token_counts(token_masks, vocab_size)
     ids = torch.argsort(-counts, stable=True)[:n].sort().values  # stable: equal counts keep id order
     return ids, float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
@@ -692,9 +705,8 @@ def run_draft_vocab(args, target, store, examples, train_rows, log):
     """(draft ids or None, share of the training data's assistant tokens they cover)."""
     if not args.draft_vocab or args.draft_vocab >= target.args.vocab_size:
         return None, 1.0
-    pairs = (store.tokens(r) for r in train_rows) if store is not None else \
-        ((examples[r].ids, examples[r].mask) for r in train_rows)
-    draft_vocab, coverage = choose_draft_vocab(pairs, args.draft_vocab, target.args.vocab_size)
+    draft_vocab, coverage = choose_draft_vocab(training_token_masks(store, examples, train_rows), args.draft_vocab,
+                                               target.args.vocab_size)
     log(f"draft vocabulary: {draft_vocab.numel():,} of {target.args.vocab_size:,} tokens, "
         f"covering {coverage:.1%} of the training data's assistant tokens")
     return draft_vocab, coverage
@@ -723,11 +735,7 @@ def vocab_coverage(ids, store, examples, train_rows, vocab_size: int, log) -> fl
     """The share of the training data's assistant tokens inside draft vocabulary `ids` (None: all)."""
     if ids is None:
         return 1.0
-    pairs = (store.tokens(r) for r in train_rows) if store is not None else \
-        ((examples[r].ids, examples[r].mask) for r in train_rows)
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for tok, mask in pairs:
-        counts += torch.bincount(torch.as_tensor(tok)[torch.as_tensor(mask, dtype=torch.bool)], minlength=vocab_size)
+    counts = assistant_token_counts(training_token_masks(store, examples, train_rows), vocab_size)
     coverage = float(counts[ids].sum()) / max(int(counts.sum()), 1)
     log(f"draft vocabulary: the initial head's {ids.numel():,} tokens, covering {coverage:.1%} of the training "
         f"data's assistant tokens")

@@ -701,8 +701,11 @@ def calibration(engine) -> dict | None:
     sizes the policy does not use, comes from `eaglespec calibrate`), or None without a head."""
     if engine.head is None:
         return None
+    if engine._cost_table is not None:  # the table the policy used in this run (checked when it was loaded)
+        return engine._cost_table.to_json()
     from . import costmodel
-    return costmodel.load_or_measure(engine, (1,) + engine.auto_buckets()).to_json()
+    return costmodel.load_or_measure(engine, (1,) + engine.auto_buckets(),
+                                     log=lambda s: print(f"eaglespec: {s}", file=sys.stderr)).to_json()
 
 
 def run(args) -> int:

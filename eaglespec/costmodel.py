@@ -30,6 +30,7 @@ class CostTable:
     draft_first_ms: float              # head catch-up on the accepted tokens + depth 1's top-k
     draft_step_ms: float               # one further depth of the frontier
     key: dict = field(default_factory=dict)
+    context: int = 256                 # cached prefix length the calls were timed after
 
     def t_verify(self, n: int) -> float:
         if n in self.verify_ms:
@@ -58,7 +59,7 @@ class CostTable:
     @classmethod
     def from_json(cls, d: dict) -> "CostTable":
         return cls({int(k): float(v) for k, v in d["verify_ms"].items()}, float(d["draft_first_ms"]),
-                   float(d["draft_step_ms"]), d.get("key", {}))
+                   float(d["draft_step_ms"]), d.get("key", {}), int(d.get("context", 256)))
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256,
             progress("draft")
         draft_first = _median_ms(lambda: engine.time_draft_call("first", context), reps)
         draft_step = _median_ms(lambda: engine.time_draft_call("step", context), reps)
-    return CostTable(verify_ms, draft_first, draft_step, table_key(engine))
+    return CostTable(verify_ms, draft_first, draft_step, table_key(engine), context)
 
 
 def load_table(engine) -> CostTable | None:
@@ -134,12 +135,41 @@ def save_table(table: CostTable) -> Path:
     return path
 
 
-def load_or_measure(engine, sizes, progress=None) -> CostTable:
-    """The cached table if it covers `sizes`, else a fresh measurement of them (then cached)."""
+STALE_TOLERANCE = 1.3   # a cached T(n) this far off the live one (either way) is remeasured
+STALE_SLACK_MS = 0.5    # ...unless the gap is below timer noise (tiny models)
+
+
+def stale_sizes(engine, table: CostTable, sizes, reps: int = 5) -> dict[int, tuple[float, float]]:
+    """Re-time the smallest and largest of `sizes` now; {n: (cached ms, live ms)} for those that are off.
+
+    The key (model, device, dtype, torch, threads, mode) cannot tell a table timed on a loaded machine
+    (another job on the cores, a thermal state) from one timed quietly, and such a table skews every
+    auto-tree choice: T(1) cached at 115 ms against a live 27 ms step was seen on our CPU. Two timings
+    of a few calls each (well under a second on the default model) catch it."""
+    off = {}
+    for n in sorted({min(sizes), max(sizes)}):
+        cached = table.verify_ms[n]
+        live = _median_ms(lambda: engine.time_verify_call(n, table.context), reps)
+        if abs(live - cached) > STALE_SLACK_MS and max(live / cached, cached / live) > STALE_TOLERANCE:
+            off[n] = (cached, live)
+    return off
+
+
+def load_or_measure(engine, sizes, progress=None, log=None) -> CostTable:
+    """The cached table if it covers `sizes` and still matches this machine's live timings, else a fresh
+    measurement of them (then cached). `log` gets a one-line notice when a stale table is replaced."""
     table = load_table(engine)
+    context = 256 if table is None else table.context
     if table is not None and all(n in table.verify_ms for n in sizes) and table.draft_first_ms > 0:
-        return table
-    fresh = measure(engine, sizes, reps=7, progress=progress)
+        off = stale_sizes(engine, table, sizes)
+        if not off:
+            return table
+        if log:
+            log("cached calibration does not match this machine now (" +
+                ", ".join(f"T({n}) {c:.1f} ms cached, {v:.1f} ms live" for n, (c, v) in off.items()) +
+                "); re-measuring: run `eaglespec calibrate` on a quiet machine for a full table")
+        table = None  # its other sizes were timed under the same conditions: drop them too
+    fresh = measure(engine, sizes, reps=7, context=context, progress=progress)
     if table is not None:  # keep sizes measured earlier (a full `calibrate`)
         fresh.verify_ms = {**table.verify_ms, **fresh.verify_ms}
     save_table(fresh)

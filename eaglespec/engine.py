@@ -6,6 +6,7 @@ methods go through the same prefill, cache and stopping rules, so speed-ups comp
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -126,6 +127,11 @@ def _longest_token_chars(tokenizer) -> int:
         except AttributeError:
             pass
     return cached
+
+
+def _notice(text: str) -> None:
+    """One line on stderr for what a caller should know but need not act on (never on stdout: JSON goes there)."""
+    print(f"eaglespec: {text}", file=sys.stderr, flush=True)
 
 
 def _sync(device: torch.device):
@@ -369,7 +375,7 @@ class Engine:
         if self.policy is None:
             if self._cost_table is None:
                 from .costmodel import load_or_measure
-                self._cost_table = load_or_measure(self, (1,) + self.auto_buckets())
+                self._cost_table = load_or_measure(self, (1,) + self.auto_buckets(), log=_notice)
             self.policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
         return self.policy
 
@@ -458,6 +464,7 @@ class Engine:
         if self.head is not None:
             p = self._pad
             self._move(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
+            self._get_policy()  # load (and spot-check) the cost table now, not inside the first timed round
         if progress:
             progress(len(steps), len(steps), "done")
 

@@ -183,3 +183,26 @@ def test_calibrate_command(tiny_checkpoint, tmp_path, monkeypatch, capsys):
     assert "T(n)/T(1)" in capsys.readouterr().out
     assert main(argv[:-1] + ["1,x"]) == 2
     assert "--sizes" in capsys.readouterr().err
+
+
+def test_a_cached_table_that_no_longer_matches_the_machine_is_remeasured(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """A table timed on a loaded machine (here: T(n) 1 s, far off the live sub-100 ms calls) is caught by
+    the spot check, replaced with a fresh measurement and reported in one line; a table that matches
+    is kept as it is."""
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    engine = Engine.load(str(tiny_checkpoint("llama")), head="random", device="cpu", compile=False)
+    sizes = (1,) + engine.auto_buckets()
+    stale = CostTable({n: 1000.0 for n in sizes}, 500.0, 500.0, costmodel.table_key(engine), context=32)
+    costmodel.save_table(stale)
+    notes = []
+    fresh = costmodel.load_or_measure(engine, sizes, log=notes.append)
+    assert len(notes) == 1 and "T(1) 1000.0 ms cached" in notes[0] and "eaglespec calibrate" in notes[0]
+    assert all(fresh.verify_ms[n] < 1000.0 for n in sizes) and fresh.draft_first_ms < 500.0
+    assert costmodel.load_table(engine).verify_ms == fresh.verify_ms  # the fresh one is what is cached now
+
+    # a table that matches the live timings (faked here: real sub-ms timings jitter) is returned untouched
+    monkeypatch.setattr(costmodel, "_median_ms", lambda fn, reps: fresh.verify_ms[1] * 1.1)
+    matching = CostTable({n: fresh.verify_ms[1] for n in sizes}, 1.0, 1.0, costmodel.table_key(engine))
+    costmodel.save_table(matching)
+    notes.clear()
+    assert costmodel.load_or_measure(engine, sizes, log=notes.append).verify_ms == matching.verify_ms and not notes

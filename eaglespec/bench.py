@@ -725,7 +725,7 @@ def run(args) -> int:
         questions = [dataclasses.replace(q, turns=q.turns[: args.max_turns]) for q in questions]
     extra_heads = parse_heads(args.heads)
     engine = build_engine(args)
-    if getattr(engine, "head_source", None) == "random" and any(n.startswith("eagle") for n in names):
+    if getattr(engine, "head_source", None) in ("random", "random-eagle3") and any(n.startswith("eagle") for n in names):
         print("eaglespec bench: the draft head is random (no trained head given or shipped): "
               "EAGLE's figures will show its overhead, not its speed-up", file=sys.stderr)
     methods = {name: build_method(name, engine, args.model) for name in names}

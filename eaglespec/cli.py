@@ -18,7 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
     if head:
-        g.add_argument("--head", default=None, help="EAGLE head folder, or 'random' (default: the model's shipped head)")
+        g.add_argument("--head", default=None, help="EAGLE head folder, or 'random' / 'random-eagle3' (untrained EAGLE-1 / EAGLE-3 heads) "
+                            "(default: the model's shipped head)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on CPU, bfloat16 on CUDA")

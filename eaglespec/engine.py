@@ -15,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from .head import EagleHead, load_head, random_head
+from .head import EagleHead, load_head, random_eagle3_head, random_head
 from .loading import DEFAULT_MODEL, load_target, load_tokenizer
 from .model import Transformer
 from .sampling import SamplingParams, next_token
@@ -190,7 +190,8 @@ class Engine:
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,
              tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False) -> "Engine":
-        """head: a head folder, "random", or None for the model's shipped head (random if none)."""
+        """head: a head folder, "random" (an untrained EAGLE-1 head), "random-eagle3" (an untrained EAGLE-3
+        head on the official layers), or None for the model's shipped head (random if none)."""
         target, folder = load_target(model, device=device, dtype=dtype)
         target.source = model or DEFAULT_MODEL
         tokenizer = load_tokenizer(folder)
@@ -199,6 +200,8 @@ class Engine:
             head = str(shipped) if shipped and (shipped / "model.safetensors").is_file() else "random"
         if head == "random":
             draft = random_head(target.args)
+        elif head == "random-eagle3":
+            draft = random_eagle3_head(target.args)
         else:
             draft = load_head(head, target.args)
         w = target.embed_tokens.weight

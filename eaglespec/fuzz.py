@@ -105,24 +105,40 @@ class Outcome:
 # ---- engines ---------------------------------------------------------------------------------------
 
 def head_variant(head, draft_ids):
-    """A head over the same weights drafting from `draft_ids` (None: the whole vocabulary)."""
-    from .head import EagleHead
-    variant = EagleHead(head.args, bias=head.bias, draft_vocab=draft_ids)
-    state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
-    variant.load_state_dict(state, strict=False)
+    """A head over the same weights drafting from `draft_ids` (None: the whole vocabulary). An EAGLE-3
+    head drafts with its own LM head, whose rows are its draft vocabulary: `draft_ids` must be a subset
+    of it, and the variant keeps those rows."""
+    import torch
+
+    from .head import Eagle3Head, EagleHead
     w = head.fc.weight
+    if isinstance(head, Eagle3Head):
+        own = head.d2t + torch.arange(head.d2t.numel(), device=head.d2t.device)
+        rows = (own[:, None] == draft_ids.to(own.device)[None]).any(-1)
+        variant = Eagle3Head(head.args, head.aux_layers, draft_vocab=own[rows].cpu(),
+                             norm_before_residual=head.midlayer.norm_before_residual)
+        state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+        state["lm_head.weight"] = state["lm_head.weight"][rows]
+        variant.load_state_dict(state, strict=False)
+    else:
+        variant = EagleHead(head.args, bias=head.bias, draft_vocab=draft_ids)
+        state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+        variant.load_state_dict(state, strict=False)
     return variant.to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
 
 
 def other_vocab(head, seed: int = 0):
     """The head with the other kind of draft vocabulary: full if it has a reduced one, else a reduced
-    one (a fixed random half of the tokens, so drafts often fall outside it)."""
+    one (a fixed random half of the tokens, so drafts often fall outside it). An EAGLE-3 head cannot
+    draft outside its own LM head's rows, so its other vocabulary is always a random half of those."""
     import torch
-    if head.draft_ids is not None:
+
+    from .head import Eagle3Head
+    if head.draft_ids is not None and not isinstance(head, Eagle3Head):
         return head_variant(head, None)
-    n = head.args.vocab_size
+    own = torch.arange(head.args.vocab_size) if head.draft_ids is None else head.draft_ids.cpu()
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(n, generator=g)[: max(8, n // 2)].sort().values
+    ids = own[torch.randperm(own.numel(), generator=g)[: max(8, own.numel() // 2)]].sort().values
     return head_variant(head, ids)
 
 
@@ -554,8 +570,9 @@ def add_cli(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", type=int, default=200, help="random cases to run")
     p.add_argument("--seed", type=int, default=0, help="seed of the case generator")
-    p.add_argument("--tiny", action="store_true",
-                   help="a tiny random target with a head that copies it (seconds; what CI runs) instead of --model")
+    p.add_argument("--tiny", nargs="?", const="eagle", default=None, choices=["eagle", "eagle3"],
+                   help="a tiny random target with a head that copies it (seconds; what CI runs) instead of --model: "
+                        "an EAGLE-1 head, or with `--tiny eagle3` an EAGLE-3 one")
     p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", default=None, help="EAGLE head folder (default: the model's shipped head)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
@@ -577,12 +594,13 @@ def build(args) -> tuple[Engines, list[str]]:
     """The engines and the flags that rebuild them (for reproduction lines)."""
     import torch
     if args.tiny:
-        from .testing import oracle_pair, tiny_tokenizer
-        model, head = oracle_pair(noise=0.3, logit_scale=3.0)
-        return Engines(model, tiny_tokenizer(), head), ["--tiny"]
+        from .testing import eagle3_oracle_pair, oracle_pair, tiny_tokenizer
+        pair = eagle3_oracle_pair if args.tiny == "eagle3" else oracle_pair
+        model, head = pair(noise=0.3, logit_scale=3.0)
+        return Engines(model, tiny_tokenizer(), head), ["--tiny"] + (["eagle3"] if args.tiny == "eagle3" else [])
     from .engine import Engine
     engine = Engine.load(args.model, args.head, device=args.device, dtype=getattr(torch, args.dtype))
-    if engine.head_source == "random":
+    if engine.head_source in ("random", "random-eagle3"):
         print("eaglespec fuzz: the head is random: drafts are rarely accepted, so acceptance paths are barely "
               "exercised (give --head)", file=sys.stderr)
     flags = [f for name in ("model", "head", "device") if getattr(args, name)

@@ -101,3 +101,43 @@ def oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0, logit_
         for p in head.parameters():
             p += noise * p.std() * torch.randn_like(p)
     return model.eval().requires_grad_(False), head.eval().requires_grad_(False)
+
+
+def eagle3_oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0, logit_scale: float = 1.0,
+                       draft_vocab=None) -> tuple:
+    """A one-layer target and an EAGLE-3 head that copies its layer, so the head's drafts are usually right.
+
+    The target's embeddings are tiny (RMS 0.01): its input norm scales them to unit RMS, and the
+    residual they add is negligible, so the layer's output is ~ attention + MLP of the normed tokens.
+    The head reads only input_layernorm(embed) (q/k/v's hidden half is zero) and, with
+    norm_before_residual and a zero hidden_norm, adds no residual: it computes the same from the
+    tokens, whatever its fed hidden state. `noise` perturbs every weight so drafts are sometimes wrong
+    and the hidden half is not exactly unused."""
+    from .head import Eagle3Head, eagle3_head_args
+    from .model import ModelArgs, Transformer, default_aux_layers
+    args = ModelArgs(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        model = Transformer(args)
+        emb = model.embed_tokens.weight
+        emb /= emb.pow(2).mean(-1, keepdim=True).sqrt() * 100
+        model.lm_head.weight *= logit_scale
+        head = Eagle3Head(eagle3_head_args(args), default_aux_layers(1), draft_vocab=draft_vocab,
+                          norm_before_residual=True)
+        h, mid, layer = args.hidden_size, head.midlayer, model.layers[0]
+        head.fc.weight.zero_()
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(mid.self_attn, name).weight
+            w.zero_()
+            w[:, :h] = getattr(layer.self_attn, name).weight
+        mid.self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
+        mid.hidden_norm.weight.zero_()
+        mid.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
+        mid.mlp.load_state_dict(layer.mlp.state_dict())
+        head.norm.load_state_dict(model.norm.state_dict())
+        rows = model.lm_head.weight if draft_vocab is None else model.lm_head.weight[torch.as_tensor(draft_vocab)]
+        head.lm_head.weight.copy_(rows)
+        for p in head.parameters():
+            p += noise * p.std() * torch.randn_like(p)
+    return model.eval().requires_grad_(False), head.eval().requires_grad_(False)

@@ -14,7 +14,7 @@ from eaglespec.engine import Engine
 from eaglespec.head import Eagle3Head, EagleHead, eagle3_head_args, load_head, random_eagle3_head, random_head
 from eaglespec.loading import load_target
 from eaglespec.model import ModelArgs, Transformer, default_aux_layers
-from eaglespec.testing import FAMILIES
+from eaglespec.testing import FAMILIES, eagle3_oracle_pair
 from eaglespec.tree import Drafter, TreeConfig
 from test_lossless import KINDS, NEW, SAMPLING, check_lossless, chi_square_pvalue, exact_continuations, random_prompts, run
 
@@ -32,43 +32,6 @@ OFFICIAL_KEYS = {
 def tiny_args(**kw) -> ModelArgs:
     return ModelArgs(**{**dict(vocab_size=320, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512), **kw})
-
-
-def eagle3_oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0, logit_scale: float = 1.0,
-                       draft_vocab=None) -> tuple[Transformer, Eagle3Head]:
-    """A one-layer target and an EAGLE-3 head that copies its layer, so the head's drafts are usually right.
-
-    The target's embeddings are tiny (RMS 0.01): its input norm scales them to unit RMS, and the
-    residual they add is negligible, so the layer's output is ~ attention + MLP of the normed tokens.
-    The head reads only input_layernorm(embed) (q/k/v's hidden half is zero) and, with
-    norm_before_residual and a zero hidden_norm, adds no residual: it computes the same from the
-    tokens, whatever its fed hidden state. `noise` perturbs every weight so drafts are sometimes wrong
-    and the hidden half is not exactly unused."""
-    args = tiny_args(vocab_size=vocab_size)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        torch.manual_seed(seed)
-        model = Transformer(args)
-        emb = model.embed_tokens.weight
-        emb /= emb.pow(2).mean(-1, keepdim=True).sqrt() * 100
-        model.lm_head.weight *= logit_scale
-        head = Eagle3Head(eagle3_head_args(args), default_aux_layers(1), draft_vocab=draft_vocab,
-                          norm_before_residual=True)
-        h, mid, layer = args.hidden_size, head.midlayer, model.layers[0]
-        head.fc.weight.zero_()
-        for name in ("q_proj", "k_proj", "v_proj"):
-            w = getattr(mid.self_attn, name).weight
-            w.zero_()
-            w[:, :h] = getattr(layer.self_attn, name).weight
-        mid.self_attn.o_proj.load_state_dict(layer.self_attn.o_proj.state_dict())
-        mid.hidden_norm.weight.zero_()
-        mid.post_attention_layernorm.load_state_dict(layer.post_attention_layernorm.state_dict())
-        mid.mlp.load_state_dict(layer.mlp.state_dict())
-        head.norm.load_state_dict(model.norm.state_dict())
-        rows = model.lm_head.weight if draft_vocab is None else model.lm_head.weight[torch.as_tensor(draft_vocab)]
-        head.lm_head.weight.copy_(rows)
-        for p in head.parameters():
-            p += noise * p.std() * torch.randn_like(p)
-    return model.eval().requires_grad_(False), head.eval().requires_grad_(False)
 
 
 # ---- the target's three layers ---------------------------------------------------------------------
@@ -536,3 +499,15 @@ def test_compiled_engine_with_an_eagle3_head_matches_eager_greedy(same_or_tie):
         same_or_tie(model, prompt, r.token_ids, want)
         accepted += max(r.accept_lengths) > 2
     assert accepted >= 1
+
+
+def test_engine_load_builds_a_random_eagle3_head(tiny_checkpoint, same_or_tie):
+    """`--head random-eagle3` (Engine.load's "random-eagle3"): an untrained EAGLE-3 head on the official
+    layers, e.g. to time EAGLE-3 drafting before any head is trained; greedy output is plain decoding's."""
+    engine = Engine.load(str(tiny_checkpoint("llama")), head="random-eagle3", device="cpu")
+    assert isinstance(engine.head, Eagle3Head) and engine.head_source == "random-eagle3"
+    assert engine.head.aux_layers == default_aux_layers(engine.model.args.num_hidden_layers)
+    prompt = [3, 17, 5, 9]
+    want = engine.generate(input_ids=prompt, method="vanilla", max_new_tokens=20, ignore_eos=True).token_ids
+    got = engine.generate(input_ids=prompt, method="eagle", max_new_tokens=20, ignore_eos=True).token_ids
+    same_or_tie(engine.model, prompt, got, want)

@@ -7,7 +7,7 @@ import json
 
 from eaglespec.cli import main
 from eaglespec.fuzz import COMPILED_TREES, Case, Engines, fuzz, run_case
-from eaglespec.testing import oracle_pair, tiny_tokenizer
+from eaglespec.testing import eagle3_oracle_pair, oracle_pair, tiny_tokenizer
 
 CASES = 300
 
@@ -47,6 +47,22 @@ def test_fuzz_compiled_cases_equal_plain_decoding():
         engines.close()
     check(summary, 6)
     assert summary.coverage["compiled"] == 6
+
+
+def test_fuzz_eagle3_cases_equal_plain_decoding_in_every_field():
+    """The same random cases with an EAGLE-3 head (its own LM head; its other draft vocabulary is a
+    random half of its rows), eager and, sparsely, compiled."""
+    model, head = eagle3_oracle_pair(noise=0.3, logit_scale=3.0)
+    engines = Engines(model, tiny_tokenizer(), head)
+    try:
+        summary = fuzz(engines, CASES // 2, seed=2, compiled_share=0.02, server_share=0.1,
+                       compiled_trees=COMPILED_TREES[:1])
+    finally:
+        engines.close()
+    print(summary.line())
+    check(summary, CASES // 2)
+    for key in ("tree:dynamic", "tree:auto", "tree:static", "tree:chain", "vocab:head", "vocab:other", "compiled"):
+        assert summary.coverage.get(key, 0) >= 1, (key, summary.coverage)
 
 
 def test_a_divergence_prints_a_one_line_reproduction(monkeypatch, capsys):

@@ -32,9 +32,8 @@ def inductor_cache_dir() -> Path:
 def configure_inductor(device: torch.device | None = None, dtype: torch.dtype | None = None):
     """Settings shared by every compiled call, applied once per process (the GEMM backend per engine)."""
     global _CONFIGURED
-    # Compiled artifacts (generated C++, autotune choices, FX graphs) persist across runs, so a
-    # second process starts in seconds instead of minutes. Set before inductor is imported: its
-    # modules fix the cache folder (default /tmp/torchinductor_$USER, wiped on reboot) when first used.
+    # Compiled artifacts persist across runs (see eaglespec/__init__.py, which sets this at import,
+    # before torch can fix its default); here again for a caller that changed the environment since.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
     if device is not None:
         import torch._inductor.config as ic
@@ -44,6 +43,7 @@ def configure_inductor(device: torch.device | None = None, dtype: torch.dtype | 
         # 88 -> 52 ms). fp32 on CPU: inductor's template only. Elsewhere: inductor's defaults.
         if device.type == "cpu" and dtype == torch.float32:
             ic.max_autotune_gemm_backends = "CPP"
+            _keep_fp32_linears_unpacked()
     if _CONFIGURED:
         return
     import torch._inductor.config as ic
@@ -62,6 +62,34 @@ def configure_inductor(device: torch.device | None = None, dtype: torch.dtype | 
     # inductor's own autotuner trips torch's TypedStorage deprecation; it is not ours to fix, nor the user's
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
     _CONFIGURED = True
+
+
+def _keep_fp32_linears_unpacked() -> None:
+    """Stop freezing from rewriting fp32 CPU linears into MKL-packed ones (`mkl._mkl_linear`).
+
+    Why: the packed weight is an mkldnn tensor, and inductor's FX graph cache cannot pickle one, so
+    every graph holding it bypassed the cache ("mkldnn tensors unpickleable") and each new process
+    recompiled everything (≈ 6 minutes on SmolLM2). Left as plain mm/addmm on a frozen weight, the
+    linears are still lowered to inductor's own prepacked C++ GEMM (the only GEMM backend we allow for
+    fp32 on CPU, see configure_inductor), and the graphs are cached. Must run before the first
+    freezing compile of the process: the pattern pass reads the check when it is first built."""
+    try:
+        from torch._inductor.fx_passes import mkldnn_fusion
+    except ImportError:
+        return
+    check = getattr(mkldnn_fusion, "_is_packable_linear", None)
+    if check is None or getattr(check, "_eaglespec", False):
+        return
+
+    def packable(match) -> bool:
+        node = match.output_node()
+        weight = node.args[2 if node.target is torch.ops.aten.addmm.default else 1].meta.get("val")
+        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            return False
+        return check(match)
+
+    packable._eaglespec = True
+    mkldnn_fusion._is_packable_linear = packable
 
 
 def compiler_available() -> str | None:

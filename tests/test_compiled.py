@@ -40,3 +40,38 @@ def test_compiled_engine_matches_eager_greedy(make_oracle_pair, same_or_tie):
         _, ref = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache_start=0)
         _, ref = model(tokens, pos, mask=mask, cache_start=len(prompt))
     assert torch.allclose(got, ref, atol=1e-4), float((got - ref).abs().max())
+
+
+WARM_SCRIPT = r"""
+import json, sys
+import torch
+from eaglespec.engine import Engine
+engine = Engine.load(sys.argv[1], head="random", device="cpu", compile=True)
+engine.warmup()
+engine.generate(input_ids=[1, 2, 3], method="eagle", max_new_tokens=6, ignore_eos=True)
+from torch._dynamo.utils import counters
+print(json.dumps({k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}))
+"""
+
+
+def test_compiled_graphs_are_cached_for_the_next_process(tiny_checkpoint, tmp_path):
+    """A second process reuses every compiled graph from the FX graph cache under ~/.cache/eaglespec.
+    Until the fp32 linears were kept out of MKL packing, every graph held an mkldnn tensor the cache
+    cannot pickle ("bypass"), and each process compiled everything again."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "EAGLESPEC_CACHE": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", WARM_SCRIPT, str(tiny_checkpoint("llama"))], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first.get("fxgraph_cache_bypass", 0) == 0 and first.get("fxgraph_cache_miss", 0) >= 3, first
+    assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"] + first.get("fxgraph_cache_hit", 0), second
+    assert second.get("fxgraph_cache_miss", 0) == 0 and second.get("fxgraph_cache_bypass", 0) == 0, second

@@ -55,9 +55,10 @@ print(json.dumps({k: v for k, v in counters["inductor"].items() if k.startswith(
 
 
 def test_compiled_graphs_are_cached_for_the_next_process(tiny_checkpoint, tmp_path):
-    """A second process reuses every compiled graph from the FX graph cache under ~/.cache/eaglespec.
-    Until the fp32 linears were kept out of MKL packing, every graph held an mkldnn tensor the cache
-    cannot pickle ("bypass"), and each process compiled everything again."""
+    """A second process reuses every compiled graph but the one-token step from the FX graph cache
+    under ~/.cache/eaglespec. Until the fp32 linears were kept out of MKL packing, every graph held an
+    mkldnn tensor the cache cannot pickle ("bypass"), and each process compiled everything again; the
+    one-row graphs keep MKL's GEMV (faster there), so they alone are compiled again."""
     import json
     import os
     import subprocess
@@ -72,6 +73,8 @@ def test_compiled_graphs_are_cached_for_the_next_process(tiny_checkpoint, tmp_pa
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second = run(), run()
-    assert first.get("fxgraph_cache_bypass", 0) == 0 and first.get("fxgraph_cache_miss", 0) >= 3, first
+    assert (tmp_path / "cache" / "inductor").is_dir()  # not /tmp/torchinductor_$USER
+    # bypassed: the one-row graphs only (the target's one-token step, and the head's one-token call)
+    assert first.get("fxgraph_cache_bypass", 0) <= 2 and first.get("fxgraph_cache_miss", 0) >= 3, first
     assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"] + first.get("fxgraph_cache_hit", 0), second
-    assert second.get("fxgraph_cache_miss", 0) == 0 and second.get("fxgraph_cache_bypass", 0) == 0, second
+    assert second.get("fxgraph_cache_miss", 0) == 0 and second.get("fxgraph_cache_bypass", 0) <= 2, second

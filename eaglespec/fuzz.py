@@ -572,7 +572,7 @@ def add_cli(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the case generator")
     p.add_argument("--tiny", nargs="?", const="eagle", default=None, choices=["eagle", "eagle3"],
                    help="a tiny random target with a head that copies it (seconds; what CI runs) instead of --model: "
-                        "an EAGLE-1 head, or with `--tiny eagle3` an EAGLE-3 one")
+                        "an EAGLE-1 head, or with `--tiny eagle3` an EAGLE-3 one (default: off, --model)")
     p.add_argument("--model", default=None, help="HF folder, hub id or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head", default=None, help="EAGLE head folder (default: the model's shipped head)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")

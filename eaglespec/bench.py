@@ -704,8 +704,8 @@ def calibration(engine) -> dict | None:
     if engine._cost_table is not None:  # the table the policy used in this run (checked when it was loaded)
         return engine._cost_table.to_json()
     from . import costmodel
-    return costmodel.load_or_measure(engine, (1,) + engine.auto_buckets(),
-                                     log=lambda s: print(f"eaglespec: {s}", file=sys.stderr)).to_json()
+    from .engine import _notice
+    return costmodel.load_or_measure(engine, (1,) + engine.auto_buckets(), log=_notice).to_json()
 
 
 def run(args) -> int:
@@ -725,7 +725,8 @@ def run(args) -> int:
         questions = [dataclasses.replace(q, turns=q.turns[: args.max_turns]) for q in questions]
     extra_heads = parse_heads(args.heads)
     engine = build_engine(args)
-    if getattr(engine, "head_source", None) in ("random", "random-eagle3") and any(n.startswith("eagle") for n in names):
+    from .engine import RANDOM_HEADS
+    if getattr(engine, "head_source", None) in RANDOM_HEADS and any(n.startswith("eagle") for n in names):
         print("eaglespec bench: the draft head is random (no trained head given or shipped): "
               "EAGLE's figures will show its overhead, not its speed-up", file=sys.stderr)
     methods = {name: build_method(name, engine, args.model) for name in names}

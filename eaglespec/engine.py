@@ -129,6 +129,9 @@ def _longest_token_chars(tokenizer) -> int:
     return cached
 
 
+RANDOM_HEADS = ("random", "random-eagle3")  # Engine.load's untrained heads (EAGLE-1, EAGLE-3)
+
+
 def _notice(text: str) -> None:
     """One line on stderr for what a caller should know but need not act on (never on stdout: JSON goes there)."""
     print(f"eaglespec: {text}", file=sys.stderr, flush=True)

@@ -112,18 +112,16 @@ def head_variant(head, draft_ids):
 
     from .head import Eagle3Head, EagleHead
     w = head.fc.weight
+    state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
     if isinstance(head, Eagle3Head):
-        own = head.d2t + torch.arange(head.d2t.numel(), device=head.d2t.device)
+        own = head.draft_ids if head.draft_ids is not None else torch.arange(head.args.vocab_size, device=w.device)
         rows = (own[:, None] == draft_ids.to(own.device)[None]).any(-1)
         variant = Eagle3Head(head.args, head.aux_layers, draft_vocab=own[rows].cpu(),
                              norm_before_residual=head.midlayer.norm_before_residual)
-        state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
         state["lm_head.weight"] = state["lm_head.weight"][rows]
-        variant.load_state_dict(state, strict=False)
     else:
         variant = EagleHead(head.args, bias=head.bias, draft_vocab=draft_ids)
-        state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
-        variant.load_state_dict(state, strict=False)
+    variant.load_state_dict(state, strict=False)
     return variant.to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
 
 
@@ -598,9 +596,9 @@ def build(args) -> tuple[Engines, list[str]]:
         pair = eagle3_oracle_pair if args.tiny == "eagle3" else oracle_pair
         model, head = pair(noise=0.3, logit_scale=3.0)
         return Engines(model, tiny_tokenizer(), head), ["--tiny"] + (["eagle3"] if args.tiny == "eagle3" else [])
-    from .engine import Engine
+    from .engine import RANDOM_HEADS, Engine
     engine = Engine.load(args.model, args.head, device=args.device, dtype=getattr(torch, args.dtype))
-    if engine.head_source in ("random", "random-eagle3"):
+    if engine.head_source in RANDOM_HEADS:
         print("eaglespec fuzz: the head is random: drafts are rarely accepted, so acceptance paths are barely "
               "exercised (give --head)", file=sys.stderr)
     flags = [f for name in ("model", "head", "device") if getattr(args, name)

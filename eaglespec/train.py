@@ -223,7 +223,7 @@ def batch_loss(head, target_model, ids, amask, feats, *, noise: float, weights: 
 TTT_DECAY = 0.8  # step i of the unroll weighs 0.8**i (official EAGLE-3 trainer, eagle/traineagle3/main.py)
 
 
-def ttt_targets(target_model, ids, amask, feats, vocab, full: bool = False):
+def ttt_targets(target_model, ids, amask, feats, vocab, full: bool = False, memo=None):
     """What every unrolled step is scored against, computed once per batch (the steps only shift it).
 
     Rows are the positions s whose token the head is fed somewhere in the chain and which count
@@ -231,7 +231,9 @@ def ttt_targets(target_model, ids, amask, feats, vocab, full: bool = False):
     vocabulary (the next token's, x_{s+1}), the target's argmax over its whole vocabulary, and
     whether that argmax is in the draft vocabulary: the official trainer leaves positions out of
     the loss whose best token the head cannot draft. Returns (row index per position (B, T), -1 =
-    not a row; p (R, Vd); best (R,) target ids; draftable (R,) bool)."""
+    not a row; p (R, Vd); best (R,) target ids; draftable (R,) bool).
+
+    memo: (cache dict, one key per sequence) from the source's `memo`, to keep `best` across epochs."""
     h = target_model.args.hidden_size
     w, draft_ids = vocab or (target_model.lm_head.weight, None)
     counted = amask.clone()
@@ -247,12 +249,32 @@ def ttt_targets(target_model, ids, amask, feats, vocab, full: bool = False):
             draftable = torch.ones_like(best, dtype=torch.bool)
         else:
             full_w = target_model.lm_head.weight
-            best = torch.cat([_logits(final[c:c + CE_CHUNK], full_w).argmax(-1) for c in range(0, final.shape[0], CE_CHUNK)]) \
-                if final.shape[0] else torch.zeros(0, dtype=torch.long, device=p.device)
+            best = target_best(final, counted.sum(1).tolist(), full_w, memo)
             t2d = torch.zeros(full_w.shape[0], dtype=torch.bool, device=p.device)
             t2d[draft_ids] = True
             draftable = t2d[best]
     return rows, p, best, draftable
+
+
+def target_best(final: torch.Tensor, per_seq: list[int], weight: torch.Tensor, memo=None) -> torch.Tensor:
+    """The target's argmax over its whole vocabulary at each row of `final` (rows of consecutive
+    sequences, `per_seq` each). It is a full-vocabulary LM-head pass, a sixth of an EAGLE-3 step on
+    this CPU, and the same every epoch because the features are fixed: with memo = (cache, keys) it
+    is computed once per sequence and kept (a long per row)."""
+    def compute(x):
+        return torch.cat([_logits(x[c:c + CE_CHUNK], weight).argmax(-1) for c in range(0, x.shape[0], CE_CHUNK)]) \
+            if x.shape[0] else torch.zeros(0, dtype=torch.long, device=x.device)
+
+    if memo is None:
+        return compute(final)
+    cache, keys = memo
+    parts = final.split(per_seq)
+    todo = [i for i, k in enumerate(keys) if k not in cache or cache[k].numel() != per_seq[i]]
+    if todo:
+        fresh = compute(torch.cat([parts[i] for i in todo])).split([per_seq[i] for i in todo])
+        for i, b in zip(todo, fresh):
+            cache[keys[i]] = b
+    return torch.cat([cache[k].to(final.device) for k in keys])
 
 
 def _step_ce(head, hidden, p):
@@ -273,7 +295,7 @@ def _step_ce(head, hidden, p):
     return total, (torch.cat(tops) if tops else hidden.new_zeros(0, 3, dtype=torch.long))
 
 
-def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, vocab=None, depth: int = 0):
+def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, vocab=None, depth: int = 0, memo=None):
     """The unrolled head's per-step cross-entropy to the target's distribution, for one batch.
 
     Step i at position t is fed x_{t+1+i} and drafts x_{t+2+i}: it is scored where s = t+1+i is a
@@ -283,7 +305,7 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
     draftable ones (official). `head` may be a DDP wrapper of an Eagle3Head."""
     module = getattr(head, "module", head)
     h = target_model.args.hidden_size
-    rows, p, best, draftable = ttt_targets(target_model, ids, amask, feats, vocab)
+    rows, p, best, draftable = ttt_targets(target_model, ids, amask, feats, vocab, memo=memo)
     draft_ids = None if vocab is None else vocab[1]
     tok_in = F.pad(ids[:, 1:], (0, 1))
     with torch.no_grad():
@@ -318,10 +340,10 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
     return results
 
 
-def ttt_batch_loss(head, target_model, ids, amask, feats, *, steps: int, autocast, vocab=None):
+def ttt_batch_loss(head, target_model, ids, amask, feats, *, steps: int, autocast, vocab=None, memo=None):
     """Loss of one micro-batch for an EAGLE-3 head: sum_i 0.8**i CE_i over the K = `steps` unrolled steps.
     Statistics as `batch_loss` (top-1/top-3 of the first step; feature_loss 0: EAGLE-3 regresses no feature)."""
-    per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab)
+    per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab, memo=memo)
     loss = sum(TTT_DECAY ** i * m for i, (m, *_rest) in enumerate(per_step))
     n, top1, top3 = per_step[0][1], per_step[0][2], per_step[0][3]
     ce0 = float(per_step[0][0].detach()) if per_step[0][4] else 0.0
@@ -338,7 +360,8 @@ def ttt_evaluate(head, target_model, source, batches, steps: int, autocast, dept
     sums = torch.zeros(5 + depth, dtype=torch.float64)
     for b in batches:
         ids, amask, feats = source.batch(b)
-        per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab, depth)
+        per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab, depth,
+                              memo=source.memo(b))
         n = per_step[0][1]
         if n == 0:
             continue
@@ -472,6 +495,10 @@ class InLoopSource:
         self.aux_layers = aux_layers  # EAGLE-3: the features then the three layers, (B, T, 4H)
         self.lengths = [len(e.ids) for e in examples]
         self.device = target_model.embed_tokens.weight.device
+        self.best = {}  # per example: what `target_best` keeps across epochs
+
+    def memo(self, idx: list[int]):
+        return self.best, list(idx)
 
     def batch(self, idx: list[int]):
         ids = pad_batch([self.examples[i].ids for i in idx]).to(self.device)
@@ -493,6 +520,10 @@ class StoredSource:
         """width: feature columns to keep (an EAGLE-1 run on an EAGLE-3 store needs only the first H)."""
         self.store, self.rows, self.device, self.width = store, rows, device, width
         self.lengths = [store.lengths[r] for r in rows]
+        self.best = {}  # per store row: what `target_best` keeps across epochs
+
+    def memo(self, idx: list[int]):
+        return self.best, [self.rows[i] for i in idx]
 
     def batch(self, idx: list[int]):
         items = [self.store.get(self.rows[i]) for i in idx]
@@ -970,7 +1001,7 @@ def _train(args, weights, rank: int, world: int) -> int:
             with sync:
                 if aux is not None:
                     loss, s = ttt_batch_loss(model, target, ids, amask, feats, steps=args.ttt_steps, autocast=autocast,
-                                             vocab=vocab)
+                                             vocab=vocab, memo=train_src.memo(b))
                 else:
                     loss, s = batch_loss(model, target, ids, amask, feats, noise=args.noise, weights=weights,
                                          generator=gen, autocast=autocast, vocab=vocab)

@@ -342,6 +342,26 @@ def test_ttt_losses_match_a_direct_computation():
     torch.set_grad_enabled(True)
 
 
+def test_the_targets_best_tokens_are_kept_per_sequence_across_epochs():
+    """`target_best` with a memo: the same argmax as without, computed only for sequences it has not
+    seen (a changed LM head does not change a kept answer, which shows nothing was recomputed)."""
+    from eaglespec.train import target_best
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(50, 8, generator=g)
+    final = torch.randn(9, 8, generator=g)
+    plain = target_best(final, [4, 5], w)
+    assert torch.equal(plain, (final @ w.T).argmax(-1))
+    cache = {}
+    assert torch.equal(target_best(final, [4, 5], w, (cache, ["a", "b"])), plain)
+    assert sorted(cache) == ["a", "b"] and cache["a"].numel() == 4
+    w2 = torch.randn(50, 8, generator=g)
+    swapped = torch.cat([final[4:], final[:4]])
+    again = target_best(swapped, [5, 4], w2, (cache, ["b", "a"]))
+    assert torch.equal(again, torch.cat([plain[4:], plain[:4]]))
+    new = target_best(final[:4], [4], w2, (cache, ["c"]))  # an unseen sequence is computed
+    assert torch.equal(new, (final[:4] @ w2.T).argmax(-1))
+
+
 def test_ttt_training_reduces_the_loss_on_a_fixed_batch():
     import contextlib
     from eaglespec.train import ttt_batch_loss

@@ -146,6 +146,64 @@ def _rotated_qkv(attn: Attention, x: torch.Tensor, cos, sin):
     return q, k, v
 
 
+def chain_attention_reference(q, k0, v0, kc, vc, scale: float) -> torch.Tensor:
+    """Attention of step i >= 1 of the training-time-test unroll, written out: each query t attends
+    causally to the prefix keys k0[..., :t+1, :] and to its own chain's keys kc[..., t, j, :], j < i.
+    q, k0, v0 (B, heads, T, d); kc, vc (B, heads, T, i, d). Materialises (B, heads, T, T) scores."""
+    t = q.shape[-2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    prefix = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
+    own = (q.unsqueeze(-2) * kc).sum(-1) * scale  # (B, heads, T, i)
+    probs = torch.cat([prefix, own], -1).float().softmax(-1).to(q.dtype)
+    p0, pc = probs.split([t, own.shape[-1]], -1)
+    return p0 @ v0 + (pc.unsqueeze(-1) * vc).sum(-2)
+
+
+class _ChainAttention(torch.autograd.Function):
+    """`chain_attention_reference` from the fused causal flash kernel, on CPU.
+
+    The prefix is ordinary causal attention; the chain adds i keys per query. Forward merges the
+    kernel's output with them through its log-sum-exp. Backward runs the kernel's backward with the
+    merged output and log-sum-exp: it then forms the merged softmax's probabilities and row terms,
+    so its q/k0/v0 gradients are the prefix block's exact share; the chain's share is a few
+    (B, heads, T, i) tensors. No T x T matrix is stored, which made steps 1.. of the unroll three
+    quarters of an EAGLE-3 training step's attention time here."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kc, vc, scale):
+        o_p, lse_p = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, True, scale=scale)
+        s = (q.unsqueeze(-2) * kc).sum(-1).float() * scale  # (B, heads, T, i)
+        lse = torch.logaddexp(lse_p.float(), torch.logsumexp(s, -1))
+        p = torch.exp(s - lse.unsqueeze(-1))
+        w = torch.exp(lse_p.float() - lse).unsqueeze(-1)
+        out = torch.empty_like(o_p).copy_(w * o_p + (p.unsqueeze(-1) * vc).sum(-2))  # the kernel's layout
+        lse_out = torch.empty_like(lse_p).copy_(lse)
+        ctx.save_for_backward(q, k0, v0, kc, vc, out, lse_out, p)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k0, v0, kc, vc, out, lse, p = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k0, v0, out, lse, 0.0, True, scale=ctx.scale)
+        dp = (grad.unsqueeze(-2) * vc).sum(-1)  # (B, heads, T, i)
+        row = (grad * out).sum(-1, keepdim=True)
+        ds = (p * (dp - row)).to(q.dtype)
+        dq = dq + (ds.unsqueeze(-1) * kc).sum(-2) * ctx.scale
+        dkc = ds.unsqueeze(-1) * q.unsqueeze(-2) * ctx.scale
+        dvc = p.to(q.dtype).unsqueeze(-1) * grad.unsqueeze(-2)
+        return dq, dk0, dv0, dkc, dvc, None
+
+
+def chain_attention(q, k0, v0, kc, vc, scale: float) -> torch.Tensor:
+    """See `chain_attention_reference`; fused on CPU (fp32), written out elsewhere."""
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        return _ChainAttention.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), kc, vc, scale)
+    return chain_attention_reference(q, k0, v0, kc, vc, scale)
+
+
 def eagle3_head_args(target: ModelArgs) -> ModelArgs:
     """EAGLE-3's draft layer: the target's attention shape, a dense MLP, no qkv bias (the official
     Llama layout, which SGLang and vLLM load), no q/k norm."""
@@ -266,7 +324,6 @@ class Eagle3Head(nn.Module):
         h = self.fuse(target_hidden)
         positions = torch.arange(t, device=dev)[None].expand(b, -1)
         scale = 1.0 / math.sqrt(attn.hd)
-        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
         outs, chain_k, chain_v = [], [], []
         for i in range(steps):
             embeds = token_embeds if i == 0 else F.pad(token_embeds[:, i:], (0, 0, 0, i))  # x_{t+1+i}
@@ -278,12 +335,7 @@ class Eagle3Head(nn.Module):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             else:
                 chain_k.append(k), chain_v.append(v)
-                prefix = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal, float("-inf"))
-                own = [(q * kj).sum(-1, keepdim=True) * scale for kj in chain_k]
-                probs = torch.cat([prefix] + own, -1).float().softmax(-1).to(q.dtype)
-                y = probs[..., :t] @ v0
-                for j, vj in enumerate(chain_v):
-                    y = y + probs[..., t + j:t + j + 1] * vj
+                y = chain_attention(q, k0, v0, torch.stack(chain_k, -2), torch.stack(chain_v, -2), scale)
             h = mid.finish(residual, attn.o_proj(y.transpose(1, 2).reshape(b, t, attn.n_heads * attn.hd)))
             outs.append(h)
         return outs

@@ -44,6 +44,9 @@ from .head import EagleHead, _rotated_qkv, load_head, random_eagle3_head, random
 EVAL_DEPTHS = 4
 DEFAULT_WARMUP = 100
 CE_CHUNK = 512  # rows of logits alive at once (chunk x vocab floats, a few of them)
+# An EAGLE-3 step's log-probabilities (rows x draft vocabulary) are kept for backward up to this many
+# elements (512 MiB in fp32) instead of being recomputed chunk by chunk.
+CE_KEEP_MAX = 1 << 27
 
 
 def add_cli(sub) -> None:
@@ -288,8 +291,12 @@ def _step_ce(head, hidden, p):
         return -(pc * logq).sum(), logq.detach().topk(min(3, logq.shape[-1]), -1).indices
 
     total, tops = hidden.new_zeros((), dtype=torch.float32), []
+    keep = hidden.shape[0] * p.shape[1] <= CE_KEEP_MAX if CE_KEEP_MAX is not None else False
     for c in range(0, hidden.shape[0], CE_CHUNK):
-        loss, top = checkpoint(chunk, hidden[c:c + CE_CHUNK], p[c:c + CE_CHUNK], use_reentrant=False)
+        if keep:  # small enough to keep every chunk's log-probabilities for backward: no recompute
+            loss, top = chunk(hidden[c:c + CE_CHUNK], p[c:c + CE_CHUNK])
+        else:
+            loss, top = checkpoint(chunk, hidden[c:c + CE_CHUNK], p[c:c + CE_CHUNK], use_reentrant=False)
         total = total + loss
         tops.append(top)
     return total, (torch.cat(tops) if tops else hidden.new_zeros(0, 3, dtype=torch.long))

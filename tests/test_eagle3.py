@@ -362,6 +362,42 @@ def test_the_targets_best_tokens_are_kept_per_sequence_across_epochs():
     assert torch.equal(new, (final[:4] @ w2.T).argmax(-1))
 
 
+def test_the_step_loss_is_the_same_kept_or_recomputed(monkeypatch):
+    """Small batches keep the log-probabilities for backward; large ones recompute them per chunk."""
+    from eaglespec import train
+    model, _ = eagle3_oracle_pair(logit_scale=3.0)
+    head = random_eagle3_head(model.args, seed=9, draft_vocab=torch.arange(0, 320, 2))
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(1100, 64, generator=g, requires_grad=True)  # three chunks
+    p = torch.softmax(torch.randn(1100, 160, generator=g), -1)
+    got = []
+    for limit in (1 << 27, 0):
+        monkeypatch.setattr(train, "CE_KEEP_MAX", limit)
+        loss, top = train._step_ce(head, hidden, p)
+        grads = torch.autograd.grad(loss, [hidden, head.lm_head.weight])
+        got.append((loss.detach(), top, grads))
+    (l1, t1, g1), (l2, t2, g2) = got
+    assert torch.allclose(l1, l2) and torch.equal(t1, t2)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
+
+
+def test_fused_chain_attention_equals_the_written_out_one():
+    """The unroll's steps 1.. on CPU: the fused kernel plus the chain's log-sum-exp merge gives the
+    same output and gradients as the (B, heads, T, T) computation."""
+    import math
+    from eaglespec.head import chain_attention, chain_attention_reference
+    g = torch.Generator().manual_seed(8)
+    b, h, t, d, i = 2, 3, 9, 8, 3
+    x = [torch.randn(*s, generator=g, requires_grad=True) for s in [(b, h, t, d)] * 3 + [(b, h, t, i, d)] * 2]
+    w = torch.randn(b, h, t, d, generator=g)
+    res = []
+    for f in (chain_attention, chain_attention_reference):
+        y = f(*x, 1 / math.sqrt(d))
+        res.append((y,) + torch.autograd.grad((y * w).sum(), x))
+    for a, r in zip(*res):
+        assert torch.allclose(a, r, atol=1e-5), (a - r).abs().max()
+
+
 def test_ttt_training_reduces_the_loss_on_a_fixed_batch():
     import contextlib
     from eaglespec.train import ttt_batch_loss

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from .model import (MLP, Attention, DecoderLayer, KVCache, ModelArgs, RMSNorm, Rotary, causal_mask,

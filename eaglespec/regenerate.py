@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .data import Conversation, LoadReport, load_conversations, regenerated_shard
+from .data import Conversation, load_conversations, regenerated_shard
 from .model import KVCache, Transformer
 from .sampling import SamplingParams, next_token
 from .stopping import Stopper

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 from .cli import add_engine_args, build_engine
 
 if TYPE_CHECKING:
-    from .engine import Engine, StreamChunk
+    from .engine import Engine
 
 # torch, pydantic and FastAPI are imported where used: `eaglespec --help` loads every subcommand module.
 

@@ -31,6 +31,7 @@ import os
 import shlex
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -786,7 +787,7 @@ def resumed_head(args, target, ckpt: Path, out: Path, fresh, data_fp, plan, per_
     if head.arch != fresh.arch or head.aux_layers != fresh.aux_layers:
         raise ValueError(f"the checkpoint in {out} is an {head.arch} head"
                          + (f" on layers {','.join(map(str, head.aux_layers))}" if head.aux_layers else "")
-                         + f": resume with the same --arch/--aux-layers")
+                         + ": resume with the same --arch/--aux-layers")
     had, want = head.draft_ids, fresh.draft_ids
     if (had is None) != (want is None) or (had is not None and not torch.equal(had, want)):
         raise ValueError(f"the checkpoint in {out} drafts from another vocabulary: resume with the same --draft-vocab")
@@ -851,9 +852,23 @@ def run_evaluate(args) -> int:
     return 0
 
 
-def _train(args, weights, rank: int, world: int) -> int:
-    from tqdm import tqdm
-    log = print if rank == 0 else (lambda *a, **k: None)
+@dataclass
+class RunData:
+    """What a run trains and evaluates on: the conversations' split and a source for each side."""
+    desc: str
+    summary: str
+    store: FeatureStore | None
+    examples: list | None  # tokenized conversations when features are computed in the loop
+    train_rows: list[int]
+    held_rows: list[int]
+    eval_rows: list[int]
+    train_src: "StoredSource | InLoopSource"
+    eval_src: "StoredSource | InLoopSource"
+    eval_batches: list[list[int]]
+
+
+def open_output(args, log) -> tuple[Path, Path | None]:
+    """The run's folder and its checkpoint, if any (one only with --resume)."""
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
@@ -862,38 +877,39 @@ def _train(args, weights, rank: int, world: int) -> int:
         raise ValueError(f"{out} already holds a training run: add --resume to continue it, or choose another --out")
     if args.resume and ckpt is None:
         log(f"--resume: no checkpoint in {out}, starting from scratch")
+    return out, ckpt
 
-    store = None
-    if args.features_dir:
-        store = FeatureStore(args.features_dir)
-        m = store.manifest
-        if args.model is None and m.get("model") not in (None, "default"):
-            args.model = m["model"]
-        ignored = [f"--{n.replace('_', '-')}" for n in ("data", "max_len") if getattr(args, n) is not None]
-        if ignored:
-            log(f"note: {', '.join(ignored)} ignored: the data come from {store.folder}")
-    target, tokenizer, _ = load_model(args)
-    if args.draft_vocab > target.args.vocab_size:  # before any data is read
-        raise ValueError(f"--draft-vocab {args.draft_vocab} is larger than the target's vocabulary "
-                         f"({target.args.vocab_size:,} tokens): use at most that, or 0 for the whole vocabulary")
-    device = target.embed_tokens.weight.device
-    aux = run_aux_layers(args, target, store, log)  # EAGLE-3: the target layers the head fuses; None for EAGLE-1
-    args.aux_layers_used = ",".join(map(str, aux)) if aux is not None else None
-    init = initial_head(args, target, aux, log) if args.init_head else None  # before the data: fail fast
+
+def open_features(args, log) -> FeatureStore | None:
+    """The --features-dir store; its model becomes the run's unless --model says otherwise."""
+    if not args.features_dir:
+        return None
+    store = FeatureStore(args.features_dir)
+    m = store.manifest
+    if args.model is None and m.get("model") not in (None, "default"):
+        args.model = m["model"]
+    ignored = [f"--{n.replace('_', '-')}" for n in ("data", "max_len") if getattr(args, n) is not None]
+    if ignored:
+        log(f"note: {', '.join(ignored)} ignored: the data come from {store.folder}")
+    return store
+
+
+def run_data(args, target, tokenizer, store, aux, rank: int, world: int, log) -> RunData:
+    """The split (fixed by the seed) and the train/eval sources, from the store or tokenized conversations."""
+    examples = None
     if store is not None:
         m = store.manifest
         if (m["hidden_size"], m["vocab_size"]) != (target.args.hidden_size, target.args.vocab_size) \
                 or m["model_fingerprint"] != model_fingerprint(target):
             raise ValueError(f"features in {store.folder} were computed with another model ({m.get('model')}); "
                              "pass the same --model or recompute them")
-        data_desc = f"{m['data']} (features {store.folder}, max-len {m['max_len']})"
-        data_summary = m.get("data_summary", "")
+        desc = f"{m['data']} (features {store.folder}, max-len {m['max_len']})"
+        summary = m.get("data_summary", "")
         keys = store.keys
     else:
         max_len = args.max_len or 2048
-        examples, data_summary = load_examples(tokenizer, args.data or "sharegpt", args.max_conversations, max_len,
-                                               log=log)
-        data_desc = f"{args.data or 'sharegpt'} (max-len {max_len}, features computed in the loop)"
+        examples, summary = load_examples(tokenizer, args.data or "sharegpt", args.max_conversations, max_len, log=log)
+        desc = f"{args.data or 'sharegpt'} (max-len {max_len}, features computed in the loop)"
         keys = [e.key for e in examples]
     train_rows, held_rows = split(keys, args.seed, args.held_out)
     if store is not None and args.max_conversations is not None:
@@ -903,6 +919,7 @@ def _train(args, weights, rank: int, world: int) -> int:
     eval_rows = held_rows[: args.eval_conversations]
     if not train_rows:
         raise ValueError("no training conversations after the held-out split")
+    device = target.embed_tokens.weight.device
     if store is not None:
         width = None if aux is not None else target.args.hidden_size
         train_src, eval_src = StoredSource(store, train_rows, device, width), StoredSource(store, eval_rows, device, width)
@@ -912,9 +929,23 @@ def _train(args, weights, rank: int, world: int) -> int:
     # Several attention score matrices of (batch, heads, T, T) live at once in the unrolled evaluation.
     eval_batches = make_batches(eval_src.lengths, max(max(eval_src.lengths, default=1), args.batch_tokens // 4),
                                 args.seed, 999_999)[rank::world] if eval_rows else []
+    return RunData(desc, summary, store, examples, train_rows, held_rows, eval_rows, train_src, eval_src, eval_batches)
 
+
+@dataclass
+class Schedule:
+    epoch_batches: list[list[list[int]]]  # per epoch, the micro-batches in order
+    steps_per_epoch: list[int]
+    total_steps: int
+    per_step: int  # micro-batches per optimizer step, all processes together
+    plan: dict  # what a resume must keep (or --replan)
+    data_fp: str
+
+
+def schedule(args, data: RunData, aux, world: int, log) -> Schedule:
     per_step = world * args.grad_accum
-    epoch_batches = [make_batches(train_src.lengths, args.batch_tokens, args.seed, e) for e in range(args.epochs)]
+    lengths = data.train_src.lengths
+    epoch_batches = [make_batches(lengths, args.batch_tokens, args.seed, e) for e in range(args.epochs)]
     steps_per_epoch = [len(b) // per_step for b in epoch_batches]
     if sum(steps_per_epoch) == 0:
         raise ValueError(f"too little data for one step: {len(epoch_batches[0])} batches for {world} process(es) "
@@ -924,159 +955,207 @@ def _train(args, weights, rank: int, world: int) -> int:
     plan = {"epochs": args.epochs, "total_steps": total_steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
     if aux is not None:  # another unroll depth is another objective: a resume keeps it (or --replan)
         plan["ttt_steps"] = args.ttt_steps
-    data_fp = fingerprint_data(train_src.lengths, eval_rows)
-    train_tokens = sum(train_src.lengths)
-    log(f"train: {len(train_rows):,} conversations ({train_tokens:,} tokens), held-out {len(held_rows):,} "
-        f"(evaluating {len(eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= {args.batch_tokens} "
-        f"tokens; {world} process(es) on {device}")
+    log(f"train: {len(data.train_rows):,} conversations ({sum(lengths):,} tokens), held-out {len(data.held_rows):,} "
+        f"(evaluating {len(data.eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= "
+        f"{args.batch_tokens} tokens; {world} process(es) on {data.train_src.device}")
+    return Schedule(epoch_batches, steps_per_epoch, total_steps, per_step, plan,
+                    fingerprint_data(lengths, data.eval_rows))
 
+
+def starting_head(args, target, data: RunData, aux, init, ckpt, out, sched: Schedule, log):
+    """(head, draft vocabulary, its coverage, run state, the checkpoint's saved state or None): a new or
+    --init-head head, or the checkpoint's when resuming."""
+    examples = data.examples if data.store is None else None
     if init is not None:
-        head, draft_vocab, coverage = init, init.draft_ids, vocab_coverage(
-            init.draft_ids, store, examples if store is None else None, train_rows, target.args.vocab_size, log)
+        head, draft_vocab = init, init.draft_ids
+        coverage = vocab_coverage(draft_vocab, data.store, examples, data.train_rows, target.args.vocab_size, log)
     else:
-        draft_vocab, coverage = run_draft_vocab(args, target, store, examples if store is None else None, train_rows, log)
+        draft_vocab, coverage = run_draft_vocab(args, target, data.store, examples, data.train_rows, log)
         head = new_head(args, target, draft_vocab, aux)
     state = {"step": 0, "epoch": 0, "step_in_epoch": 0, "tokens_seen": 0, "wall_time": 0.0, "commands": []}
+    saved = None
     if ckpt is not None:
-        head, saved = resumed_head(args, target, ckpt, out, head, data_fp, plan, per_step, log)
+        head, saved = resumed_head(args, target, ckpt, out, head, sched.data_fp, sched.plan, sched.per_step, log)
         state.update({k: saved[k] for k in state})
-    head = head.to(device=device, dtype=torch.float32).train()
-    vocab = None if head.draft_ids is None else \
-        (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
-    opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    if ckpt is not None:
-        opt.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng_cpu"])
         log(f"resumed from {ckpt} at step {state['step']} (epoch {state['epoch'] + 1}, step {state['step_in_epoch']})")
     state["commands"] = list(state["commands"]) + [args.command]
+    return head, draft_vocab, coverage, state, saved
 
-    model = head
-    if world > 1:
-        from torch.nn.parallel import DistributedDataParallel
-        model = DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None)
-    if device.type == "cuda":
-        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
-    else:
-        autocast = contextlib.nullcontext
-    extra = {"eaglespec": {"target": args.model or "default", "data": data_desc}}
 
+def _train(args, weights, rank: int, world: int) -> int:
+    log = print if rank == 0 else (lambda *a, **k: None)
+    out, ckpt = open_output(args, log)
+    store = open_features(args, log)
+    target, tokenizer, _ = load_model(args)
+    if args.draft_vocab > target.args.vocab_size:  # before any data is read
+        raise ValueError(f"--draft-vocab {args.draft_vocab} is larger than the target's vocabulary "
+                         f"({target.args.vocab_size:,} tokens): use at most that, or 0 for the whole vocabulary")
+    aux = run_aux_layers(args, target, store, log)  # EAGLE-3: the target layers the head fuses; None for EAGLE-1
+    args.aux_layers_used = ",".join(map(str, aux)) if aux is not None else None
+    init = initial_head(args, target, aux, log) if args.init_head else None  # before the data: fail fast
+    data = run_data(args, target, tokenizer, store, aux, rank, world, log)
+    sched = schedule(args, data, aux, world, log)
+    head, draft_vocab, coverage, state, saved = starting_head(args, target, data, aux, init, ckpt, out, sched, log)
+    run = TrainRun(args, weights, rank, world, target, head, aux, data, sched, state, saved, out)
+    if not run.loop(log):
+        return 0
+    if os.environ.get("EAGLESPEC_TEST_CHECKSUM_DIR"):  # tests: does every rank hold the same weights?
+        write_checksum(Path(os.environ["EAGLESPEC_TEST_CHECKSUM_DIR"]), run.head, rank, state["step"])
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for name in ("train_log.jsonl", "metrics.jsonl"):  # steps after the checkpoint are about to be redone
-            trim_log(out / name, state["step"])
-    train_log = open(out / "train_log.jsonl", "a") if rank == 0 else None
-    metrics_log = open(out / "metrics.jsonl", "a") if rank == 0 else None
-    last_eval: dict = {}
-    marks = {"eval": None, "save": state["step"] if ckpt is not None else None}  # steps last evaluated / saved
+        write_card(out, state, data.desc, data.summary, run.last_eval, sched.total_steps, args, weights,
+                   data.train_rows, data.held_rows, data.eval_rows, sum(data.train_src.lengths), world,
+                   None if draft_vocab is None else (draft_vocab.numel(), coverage))
+        log(f"done: {state['step']} steps, {state['tokens_seen']:,} tokens, {state['wall_time']:.0f} s; head in {out / 'head'}")
+    return 0
 
-    def run_eval(tag: str):
-        nonlocal last_eval
-        marks["eval"] = state["step"]
-        if aux is not None:
-            sums = ttt_evaluate(head, target, eval_src, eval_batches, args.ttt_steps, autocast, vocab=vocab)
-        else:
-            sums = evaluate(head, target, eval_src, eval_batches, weights, autocast, vocab=vocab)
+
+class TrainRun:
+    """The optimizer loop of one run: steps, evaluations, checkpoints and logs."""
+
+    def __init__(self, args, weights, rank, world, target, head, aux, data: RunData, sched: Schedule, state, saved, out):
+        self.args, self.weights, self.rank, self.world = args, weights, rank, world
+        self.target, self.aux, self.data, self.sched, self.state, self.out = target, aux, data, sched, state, out
+        device = target.embed_tokens.weight.device
+        self.head = head = head.to(device=device, dtype=torch.float32).train()
+        self.vocab = None if head.draft_ids is None else \
+            (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
+        self.opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        if saved is not None:
+            self.opt.load_state_dict(saved["optimizer"])
+            torch.set_rng_state(saved["rng_cpu"])
+        self.model = head
         if world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+            self.model = DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None)
+        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" \
+            else contextlib.nullcontext
+        self.extra = {"eaglespec": {"target": args.model or "default", "data": data.desc}}
+        self.resumed = saved is not None
+        self.last_eval: dict = {}
+        self.marks = {"eval": None, "save": state["step"] if self.resumed else None}  # steps last evaluated / saved
+
+    def evaluate(self, tag: str) -> None:
+        a, state = self.args, self.state
+        self.marks["eval"] = state["step"]
+        if self.aux is not None:
+            sums = ttt_evaluate(self.head, self.target, self.data.eval_src, self.data.eval_batches, a.ttt_steps,
+                                self.autocast, vocab=self.vocab)
+        else:
+            sums = evaluate(self.head, self.target, self.data.eval_src, self.data.eval_batches, self.weights,
+                            self.autocast, vocab=self.vocab)
+        if self.world > 1:
             import torch.distributed as dist
             dist.all_reduce(sums)
-        if rank == 0 and eval_rows:
-            last_eval = {"step": state["step"], "epoch": state["epoch"], "at": tag, **eval_metrics(sums)}
-            metrics_log.write(json.dumps(last_eval) + "\n")
-            metrics_log.flush()
-            bar.write(f"eval @ step {state['step']}: top1 {last_eval['top1']:.3f} top3 {last_eval['top3']:.3f} "
-                      + " ".join(f"d{k} {last_eval[f'top1_depth{k}']:.3f}" for k in range(2, EVAL_DEPTHS + 1))
-                      + f" loss {last_eval['loss']:.4f}")
+        if self.rank == 0 and self.data.eval_rows:
+            ev = self.last_eval = {"step": state["step"], "epoch": state["epoch"], "at": tag, **eval_metrics(sums)}
+            self.metrics_log.write(json.dumps(ev) + "\n")
+            self.metrics_log.flush()
+            self.bar.write(f"eval @ step {state['step']}: top1 {ev['top1']:.3f} top3 {ev['top3']:.3f} "
+                           + " ".join(f"d{k} {ev[f'top1_depth{k}']:.3f}" for k in range(2, EVAL_DEPTHS + 1))
+                           + f" loss {ev['loss']:.4f}")
 
-    def save():
-        marks["save"] = state["step"]
-        state["wall_time"] = wall_before + (time.perf_counter() - session_start)
-        if rank == 0:
-            save_checkpoint(out, head, opt, {**state, "data_fingerprint": data_fp,
-                                             "micro_batches_per_step": per_step, "plan": plan}, extra)
+    def save(self) -> None:
+        state = self.state
+        self.marks["save"] = state["step"]
+        state["wall_time"] = self.wall_before + (time.perf_counter() - self.session_start)
+        if self.rank == 0:
+            save_checkpoint(self.out, self.head, self.opt, {**state, "data_fingerprint": self.sched.data_fp,
+                                                            "micro_batches_per_step": self.sched.per_step,
+                                                            "plan": self.sched.plan}, self.extra)
 
-    wall_before = state["wall_time"]
-    session_start = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=min(state["step"], total_steps), unit="step", desc="train",
-               disable=rank != 0, dynamic_ncols=True)
-    session_tokens = 0
-    def train_step(epoch: int, micro) -> tuple[torch.Tensor, float]:
+    def step(self, epoch: int, micro) -> tuple[torch.Tensor, float]:
+        """One optimizer step over this rank's micro-batches; the statistics summed over ranks."""
+        a, src = self.args, self.data.train_src
         stats = torch.zeros(7, dtype=torch.float64)  # loss, feat, ce, top1, top3, n, tokens
         for j, (number, b) in enumerate(micro):
-            ids, amask, feats = train_src.batch(b)
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + epoch * 10_000_019 + number)
-            sync = model.no_sync() if world > 1 and j < len(micro) - 1 else contextlib.nullcontext()
+            ids, amask, feats = src.batch(b)
+            gen = torch.Generator().manual_seed(a.seed * 1_000_003 + epoch * 10_000_019 + number)
+            sync = self.model.no_sync() if self.world > 1 and j < len(micro) - 1 else contextlib.nullcontext()
             with sync:
-                if aux is not None:
-                    loss, s = ttt_batch_loss(model, target, ids, amask, feats, steps=args.ttt_steps, autocast=autocast,
-                                             vocab=vocab, memo=train_src.memo(b))
+                if self.aux is not None:
+                    loss, s = ttt_batch_loss(self.model, self.target, ids, amask, feats, steps=a.ttt_steps,
+                                             autocast=self.autocast, vocab=self.vocab, memo=src.memo(b))
                 else:
-                    loss, s = batch_loss(model, target, ids, amask, feats, noise=args.noise, weights=weights,
-                                         generator=gen, autocast=autocast, vocab=vocab)
-                (loss / args.grad_accum).backward()
+                    loss, s = batch_loss(self.model, self.target, ids, amask, feats, noise=a.noise,
+                                         weights=self.weights, generator=gen, autocast=self.autocast, vocab=self.vocab)
+                (loss / a.grad_accum).backward()
             stats += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
-                                   sum(train_src.lengths[i] for i in b)], dtype=torch.float64)
-        grad_norm = clip_gradients(head.parameters(), args.clip, args.clip_mode)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if world > 1:
+                                   sum(src.lengths[i] for i in b)], dtype=torch.float64)
+        grad_norm = clip_gradients(self.head.parameters(), a.clip, a.clip_mode)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.world > 1:
             import torch.distributed as dist
             dist.all_reduce(stats)
         return stats, grad_norm
 
-    for epoch in range(state["epoch"], args.epochs):
-        state["epoch"] = epoch
-        for step_in_epoch in range(state["step_in_epoch"], steps_per_epoch[epoch]):
-            if state["step"] >= total_steps:
+    def log_step(self, epoch: int, lr: float, stats, grad_norm: float, rate: float) -> None:
+        state, per_step, w = self.state, self.sched.per_step, self.weights
+        top1_logged = bool(w[1] or self.aux)
+        rec = {"step": state["step"], "epoch": epoch, "lr": lr, "loss": float(stats[0]) / per_step,
+               "feature_loss": float(stats[1]) / per_step, "ce_loss": float(stats[2]) / per_step,
+               "top1": float(stats[3]) / max(float(stats[5]), 1) if top1_logged else None,
+               "grad_norm": grad_norm, "tokens": int(stats[6]), "tokens_seen": state["tokens_seen"],
+               "tok_s": round(rate, 1), "time": round(self.wall_before + time.perf_counter() - self.session_start, 2)}
+        self.train_log.write(json.dumps(rec) + "\n")
+        self.train_log.flush()
+        self.bar.set_postfix(loss=f"{rec['loss']:.4f}", top1=f"{rec['top1']:.3f}" if top1_logged else "-",
+                             lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", refresh=False)
+        self.bar.update(1)
+
+    def loop(self, log) -> bool:
+        """Run the remaining steps; evaluate and save at the end. False if --stop-after stopped it first."""
+        from tqdm import tqdm
+        a, state, sched, rank = self.args, self.state, self.sched, self.rank
+        if rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for name in ("train_log.jsonl", "metrics.jsonl"):  # steps after the checkpoint are about to be redone
+                trim_log(self.out / name, state["step"])
+        self.train_log = open(self.out / "train_log.jsonl", "a") if rank == 0 else None
+        self.metrics_log = open(self.out / "metrics.jsonl", "a") if rank == 0 else None
+        self.wall_before, self.session_start = state["wall_time"], time.perf_counter()
+        self.bar = tqdm(total=sched.total_steps, initial=min(state["step"], sched.total_steps), unit="step",
+                        desc="train", disable=rank != 0, dynamic_ncols=True)
+        session_tokens = 0
+        for epoch in range(state["epoch"], a.epochs):
+            state["epoch"] = epoch
+            for step_in_epoch in range(state["step_in_epoch"], sched.steps_per_epoch[epoch]):
+                if state["step"] >= sched.total_steps:
+                    break
+                lr = lr_at(state["step"], a.lr, a.warmup_steps, sched.total_steps)
+                for g in self.opt.param_groups:
+                    g["lr"] = lr
+                stats, grad_norm = self.step(epoch, rank_batches(sched.epoch_batches[epoch], step_in_epoch, rank,
+                                                                 self.world, a.grad_accum))
+                state["step"] += 1
+                state["step_in_epoch"] = step_in_epoch + 1
+                state["tokens_seen"] += int(stats[6])
+                session_tokens += int(stats[6])
+                if rank == 0:
+                    self.log_step(epoch, lr, stats, grad_norm,
+                                  session_tokens / max(time.perf_counter() - self.session_start, 1e-9))
+                if state["step_in_epoch"] == sched.steps_per_epoch[epoch]:
+                    state["epoch"], state["step_in_epoch"] = epoch + 1, 0
+                    self.evaluate("epoch")
+                    self.save()
+                else:
+                    if a.eval_every and state["step"] % a.eval_every == 0:
+                        self.evaluate("step")
+                    if a.save_every and state["step"] % a.save_every == 0:
+                        self.save()
+                if a.stop_after and state["step"] >= a.stop_after:
+                    self.bar.close()
+                    log(f"stopping after step {state['step']} as asked (--stop-after), without a final save")
+                    return False
+            if state["step"] >= sched.total_steps:
                 break
-            lr = lr_at(state["step"], args.lr, args.warmup_steps, total_steps)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            stats, grad_norm = train_step(epoch, rank_batches(epoch_batches[epoch], step_in_epoch, rank, world,
-                                                              args.grad_accum))
-            state["step"] += 1
-            state["step_in_epoch"] = step_in_epoch + 1
-            state["tokens_seen"] += int(stats[6])
-            session_tokens += int(stats[6])
-            rate = session_tokens / max(time.perf_counter() - session_start, 1e-9)
-            if rank == 0:
-                rec = {"step": state["step"], "epoch": epoch, "lr": lr, "loss": float(stats[0]) / per_step,
-                       "feature_loss": float(stats[1]) / per_step, "ce_loss": float(stats[2]) / per_step,
-                       "top1": float(stats[3]) / max(float(stats[5]), 1) if weights[1] or aux else None,
-                       "grad_norm": grad_norm, "tokens": int(stats[6]), "tokens_seen": state["tokens_seen"],
-                       "tok_s": round(rate, 1), "time": round(wall_before + time.perf_counter() - session_start, 2)}
-                train_log.write(json.dumps(rec) + "\n")
-                train_log.flush()
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", top1=f"{rec['top1']:.3f}" if weights[1] or aux else "-",
-                                lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", refresh=False)
-                bar.update(1)
-            if state["step_in_epoch"] == steps_per_epoch[epoch]:
-                state["epoch"], state["step_in_epoch"] = epoch + 1, 0
-                run_eval("epoch")
-                save()
-            else:
-                if args.eval_every and state["step"] % args.eval_every == 0:
-                    run_eval("step")
-                if args.save_every and state["step"] % args.save_every == 0:
-                    save()
-            if args.stop_after and state["step"] >= args.stop_after:
-                bar.close()
-                log(f"stopping after step {state['step']} as asked (--stop-after), without a final save")
-                return 0
-        if state["step"] >= total_steps:
-            break
-    if marks["eval"] != state["step"]:  # stopped mid-epoch by --max-steps, or nothing left to run
-        run_eval("end")
-    if marks["save"] != state["step"]:
-        save()
-    bar.close()
-    state["wall_time"] = wall_before + (time.perf_counter() - session_start)
-    if os.environ.get("EAGLESPEC_TEST_CHECKSUM_DIR"):  # tests: does every rank hold the same weights?
-        write_checksum(Path(os.environ["EAGLESPEC_TEST_CHECKSUM_DIR"]), head, rank, state["step"])
-    if rank == 0:
-        write_card(out, state, data_desc, data_summary, last_eval, total_steps, args, weights, train_rows, held_rows,
-                   eval_rows, train_tokens, world, None if draft_vocab is None else (draft_vocab.numel(), coverage))
-        log(f"done: {state['step']} steps, {state['tokens_seen']:,} tokens, {state['wall_time']:.0f} s; head in {out / 'head'}")
-    return 0
+        if self.marks["eval"] != state["step"]:  # stopped mid-epoch by --max-steps, or nothing left to run
+            self.evaluate("end")
+        if self.marks["save"] != state["step"]:
+            self.save()
+        self.bar.close()
+        state["wall_time"] = self.wall_before + (time.perf_counter() - self.session_start)
+        return True
 
 
 def trim_log(path: Path, step: int) -> None:

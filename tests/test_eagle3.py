@@ -11,12 +11,12 @@ import torch
 
 from eaglespec.costmodel import CostTable
 from eaglespec.engine import Engine
-from eaglespec.head import Eagle3Head, EagleHead, eagle3_head_args, load_head, random_eagle3_head, random_head
+from eaglespec.head import Eagle3Head, EagleHead, load_head, random_eagle3_head, random_head
 from eaglespec.loading import load_target
-from eaglespec.model import ModelArgs, Transformer, default_aux_layers
+from eaglespec.model import ModelArgs, default_aux_layers
 from eaglespec.testing import FAMILIES, eagle3_oracle_pair
 from eaglespec.tree import Drafter, TreeConfig
-from test_lossless import KINDS, NEW, SAMPLING, check_lossless, chi_square_pvalue, exact_continuations, random_prompts, run
+from test_lossless import KINDS, SAMPLING, check_lossless, chi_square_pvalue, exact_continuations, random_prompts, run
 
 # The official EAGLE-3 checkpoint keys (SafeAILab/EAGLE eagle/traineagle3/cnets.py: Model.fc, .midlayer
 # = LlamaDecoderLayeremb with hidden_norm/input_layernorm/self_attn/mlp/post_attention_layernorm, .norm,

@@ -13,7 +13,6 @@ import time
 from collections import Counter
 
 import pytest
-import torch
 
 from eaglespec.cli import build_parser, main
 from eaglespec.data import Conversation, load_conversations

@@ -190,7 +190,9 @@ class Drafter:
             depth = min(depth, len(self._plan[0]) + 1)
             front = torch.tensor(self._plan[0][0], device=dev) if depth > 1 else None
         f_tok, f_score = root_ids[front] if front is not None else None, root_scores[front] if front is not None else None
-        f_hidden = root_hidden.expand(len(front), -1) if front is not None else None
+        # contiguous, like every later depth's rows and the warm-up's: a stride-0 (expanded) input fails a
+        # compiled graph's stride guard and recompiles the depth call on the first generation
+        f_hidden = root_hidden.expand(len(front), -1).contiguous() if front is not None else None
         # ancestry of the rows being fed, over the tree slots written so far (self included)
         n_slots = 0
         f_anc = None

@@ -42,6 +42,22 @@ def test_compiled_engine_matches_eager_greedy(make_oracle_pair, same_or_tie):
     assert torch.allclose(got, ref, atol=1e-4), float((got - ref).abs().max())
 
 
+def test_warmup_compiles_every_graph_that_generation_uses(make_oracle_pair):
+    """After `warmup`, generating compiles nothing more: a graph compiled lazily costs the first user
+    request seconds to minutes (a stride-0 root hidden once recompiled the depth call)."""
+    from torch._dynamo.utils import counters
+    model, head = make_oracle_pair(noise=0.3, logit_scale=3.0)
+    engine = Engine(model, head=head, tree=TreeConfig(total_tokens=8), max_context=256, compile="default")
+    engine.warmup()
+    before = sum(counters["stats"].values()), dict(counters["stats"])
+    for seed in range(2):
+        prompt = torch.randint(3, model.args.vocab_size, (12 + 5 * seed,),
+                               generator=torch.Generator().manual_seed(seed)).tolist()
+        for method in ("vanilla", "eagle"):
+            engine.generate(input_ids=prompt, max_new_tokens=24, method=method, ignore_eos=True)
+    assert dict(counters["stats"]) == before[1], (before[1], dict(counters["stats"]))
+
+
 WARM_SCRIPT = r"""
 import json, sys
 import torch

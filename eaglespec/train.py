@@ -67,6 +67,10 @@ def add_cli(sub) -> None:
     add_arch_args(o)
     o.add_argument("--ttt-steps", type=int, default=7, metavar="K",
                    help="eagle3: unroll the head K steps on its own outputs (training-time test); step i weighs 0.8**i")
+    o.add_argument("--eagle3-output-init", choices=("random", "target"), default="random",
+                   help="eagle3: start the head's own norm and lm_head at random (the official recipe) or as a copy "
+                        "of the target's final norm and its LM-head rows for the draft vocabulary, so that the "
+                        "first steps need not learn an output layer from scratch (default: random)")
     o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features (eagle only)")
     o.add_argument("--no-fc-bias", action="store_true", help="fc without bias (as the LLaMA3 heads; vLLM drops it)")
     o.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -753,8 +757,22 @@ def run_draft_vocab(args, target, store, examples, train_rows, log):
 
 def new_head(args, target, draft_vocab, aux):
     if aux is not None:
-        return random_eagle3_head(target.args, seed=args.seed, draft_vocab=draft_vocab, aux_layers=aux)
+        head = random_eagle3_head(target.args, seed=args.seed, draft_vocab=draft_vocab, aux_layers=aux)
+        if getattr(args, "eagle3_output_init", "random") == "target":
+            copy_target_output(head, target)
+        return head
     return random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab)
+
+
+def copy_target_output(head, target) -> None:
+    """An EAGLE-3 head's norm and lm_head set to the target's final norm and LM-head rows (its draft ids).
+    EAGLE-1 heads borrow these and start out predicting through a trained output layer; an EAGLE-3 head
+    owns them and must otherwise learn one from its (often small) training set."""
+    ids = head.draft_ids
+    w = target.lm_head.weight.detach()
+    with torch.no_grad():
+        head.lm_head.weight.copy_((w if ids is None else w[ids.to(w.device)]).to(head.lm_head.weight))
+        head.norm.weight.copy_(target.norm.weight.detach().to(head.norm.weight))
 
 
 def initial_head(args, target, aux, log):
@@ -1189,7 +1207,9 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
         f"- Wall time: {state['wall_time'] / 60:.1f} min (all sessions)",
         (f"- Objective: EAGLE-3 training-time test: the head unrolled {args.ttt_steps} steps on its own outputs, "
          f"sum of {TTT_DECAY}^i x CE(target distribution) at step i; fused target layers "
-         f"{getattr(args, 'aux_layers_used', '')}; no feature loss, no noise" if args.arch == "eagle3" else
+         f"{getattr(args, 'aux_layers_used', '')}; no feature loss, no noise"
+         + ("; norm and lm_head started as the target's" if getattr(args, "eagle3_output_init", "random") == "target"
+            and not args.init_head else "") if args.arch == "eagle3" else
          f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
          f"noise U(-{args.noise}, {args.noise}) (not length-scaled)"),
         ("- Draft vocabulary: the whole vocabulary" if head_vocab is None else

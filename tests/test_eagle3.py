@@ -421,6 +421,23 @@ def test_ttt_training_reduces_the_loss_on_a_fixed_batch():
     assert losses[-1] < 0.85 * losses[0] and losses == sorted(losses, reverse=True), losses
 
 
+def test_output_layer_started_as_the_targets_reproduces_its_logits_on_a_final_hidden_state(tiny_checkpoint):
+    """--eagle3-output-init target: the head's norm + lm_head are the target's, restricted to the draft ids,
+    so a pre-norm hidden state from the target's last layer yields exactly the target's logits on them."""
+    from types import SimpleNamespace
+    from eaglespec.train import new_head
+    model, _ = load_target(tiny_checkpoint("llama"), device="cpu", dtype=torch.float32)
+    ids = torch.tensor([0, 3, 7, 50, 120, 301])
+    make = lambda init: new_head(SimpleNamespace(seed=0, eagle3_output_init=init), model, ids,  # noqa: E731
+                                 default_aux_layers(model.args.num_hidden_layers))
+    copied, fresh = make("target"), make("random")
+    x = torch.randn(2, 5, model.args.hidden_size)
+    want = model.lm_head(model.norm(x))[..., ids]
+    torch.testing.assert_close(copied.lm_head(copied.norm(x)), want)
+    assert not torch.allclose(fresh.lm_head(fresh.norm(x)), want)  # the official random start differs
+    assert torch.equal(copied.midlayer.mlp.up_proj.weight, fresh.midlayer.mlp.up_proj.weight)  # the rest is as before
+
+
 # ---- the command ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

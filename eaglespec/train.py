@@ -758,7 +758,7 @@ def run_draft_vocab(args, target, store, examples, train_rows, log):
 def new_head(args, target, draft_vocab, aux):
     if aux is not None:
         head = random_eagle3_head(target.args, seed=args.seed, draft_vocab=draft_vocab, aux_layers=aux)
-        if getattr(args, "eagle3_output_init", "random") == "target":
+        if args.eagle3_output_init == "target":
             copy_target_output(head, target)
         return head
     return random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab)
@@ -1208,7 +1208,7 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
         (f"- Objective: EAGLE-3 training-time test: the head unrolled {args.ttt_steps} steps on its own outputs, "
          f"sum of {TTT_DECAY}^i x CE(target distribution) at step i; fused target layers "
          f"{getattr(args, 'aux_layers_used', '')}; no feature loss, no noise"
-         + ("; norm and lm_head started as the target's" if getattr(args, "eagle3_output_init", "random") == "target"
+         + ("; norm and lm_head started as the target's" if args.eagle3_output_init == "target"
             and not args.init_head else "") if args.arch == "eagle3" else
          f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
          f"noise U(-{args.noise}, {args.noise}) (not length-scaled)"),

@@ -743,6 +743,7 @@ def run(args) -> int:
         dataset_sha256=hashlib.sha256(path.read_bytes()).hexdigest(), questions=len(questions),
         generations_per_method=len(records) // len(names), head_source=str(getattr(engine, "head_source", None)),
         tree=vars(engine.tree), compiled=bool(getattr(engine, "compiled", False)),
+        packed_gemm=bool(getattr(engine, "packed_gemm", False)),
         warmup_tokens=min(WARMUP_TOKENS, args.max_new_tokens))
     if args.no_token_ids:
         for r in records:

@@ -46,7 +46,7 @@ def format_table(table) -> str:
                      f"each further depth {table.draft_step_ms:.2f} ms ({table.draft_step_ms / base:.2f} steps)")
     key = table.key
     lines.append(f"({key.get('device')} {key.get('dtype')}, {key.get('mode')}, torch {key.get('torch')}, "
-                 f"{key.get('threads')} threads)")
+                 f"{key.get('threads')} threads, {key.get('gemm', 'torch')} GEMM)")
     return "\n".join(lines)
 
 

@@ -80,6 +80,7 @@ def table_key(engine) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "mode": engine.compile_mode or "eager",
+        "gemm": "packed" if getattr(engine, "packed_gemm", False) else "torch",  # cpugemm.py: other costs
     }
 
 

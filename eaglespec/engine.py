@@ -142,13 +142,31 @@ def _sync(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def _pack_target(model: Transformer, wanted: bool | None) -> bool:
+    """Swap the target's linears for the few-row CPU GEMM where it works; True if they run on it."""
+    from . import cpugemm
+    if any(isinstance(m, cpugemm.PackedLinear) for m in model.modules()):
+        return True  # a model shared by several engines is packed once
+    if wanted is False:
+        return False
+    why = cpugemm.usable_for(model)
+    if why is not None:
+        if wanted or (model.embed_tokens.weight.device.type == "cpu" and not why.startswith("disabled")):
+            _notice(f"the target's linears stay on torch's GEMM: {why}")
+        return False
+    cpugemm.pack_linears(model)
+    return True
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, head: EagleHead | None = None,
                  tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False,
-                 cost_table=None):
+                 cost_table=None, packed_gemm: bool | None = None):
         """compile: False (eager), True (the device's best torch.compile mode) or a mode name.
         cost_table: a `costmodel.CostTable` for `tree.auto` (default: the cached calibration, measured
-        on first use)."""
+        on first use).
+        packed_gemm: run the target's linears on the few-row CPU GEMM (cpugemm.py; swaps them in
+        `model`, in place). None: wherever it works (CPU fp32 with AVX2 and a compiler); False: never."""
         self.model = model
         self.tokenizer = tokenizer
         self.head = head
@@ -172,6 +190,7 @@ class Engine:
         if head is None or getattr(head, "borrows_lm_head", True):
             self._draft_lm.weight = torch.nn.Parameter(
                 w if self._draft_ids is None else w[self._draft_ids].contiguous(), requires_grad=False)
+        self.packed_gemm = _pack_target(model, packed_gemm)
         self.compile_mode = (compile if isinstance(compile, str) else default_mode(self.device)) if compile else None
         self.compiled = self.compile_mode is not None
         if self.compiled:
@@ -192,7 +211,8 @@ class Engine:
 
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,
-             tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False) -> "Engine":
+             tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False,
+             packed_gemm: bool | None = None) -> "Engine":
         """head: a head folder, "random" (an untrained EAGLE-1 head), "random-eagle3" (an untrained EAGLE-3
         head on the official layers), or None for the model's shipped head (random if none)."""
         target, folder = load_target(model, device=device, dtype=dtype)
@@ -209,7 +229,7 @@ class Engine:
             draft = load_head(head, target.args)
         w = target.embed_tokens.weight
         draft = draft.to(device=w.device, dtype=w.dtype).eval().requires_grad_(False)
-        engine = cls(target, tokenizer, draft, tree, max_context, compile)
+        engine = cls(target, tokenizer, draft, tree, max_context, compile, packed_gemm=packed_gemm)
         engine.head_source = head
         return engine
 

@@ -187,9 +187,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, cache_start: int):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.hd)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.hd)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.hd)
+        if hasattr(self, "qkv_proj"):  # cpugemm.pack_linears fuses the three: one pass, one call
+            q, k, v = self.qkv_proj(x).split([self.n_heads * self.hd, self.n_kv * self.hd, self.n_kv * self.hd], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.hd)
+        k = k.view(b, t, self.n_kv, self.hd)
+        v = v.view(b, t, self.n_kv, self.hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -213,7 +217,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):  # fused by cpugemm.pack_linears
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class MoE(nn.Module):

@@ -1,0 +1,96 @@
+"""The few-row CPU GEMM (eaglespec/cpugemm.py): same numbers as nn.Linear, and the engine that uses it
+decodes exactly as the one that does not."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eaglespec import cpugemm
+from eaglespec.engine import Engine
+
+pytestmark = pytest.mark.skipif(cpugemm.why_unavailable() is not None,
+                                reason=f"few-row GEMM unavailable: {cpugemm.why_unavailable()}")
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 64, 192), (3, 7, 13), (5, 33, 8), (8, 64, 9),
+                                   (9, 576, 192), (12, 40, 100), (16, 1536, 24), (17, 64, 49), (33, 16, 17),
+                                   (300, 96, 1000), (0, 8, 8)])
+def test_packed_linear_equals_nn_linear(m, k, n):
+    """Every row-pass split (1-8 rows, several passes), ragged last panels (n not a multiple of 8),
+    odd K (the unrolled loop's tail), with and without bias, and batch dimensions."""
+    torch.manual_seed(m * 1000 + n)
+    for bias in (False, True):
+        lin = torch.nn.Linear(k, n, bias=bias)
+        packed = cpugemm.PackedLinear(lin)
+        x = torch.randn(2, m, k)
+        want, got = lin(x), packed(x)
+        assert got.shape == want.shape
+        assert torch.equal(packed.weight, lin.weight)
+        torch.testing.assert_close(got, want, atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
+def test_fused_linears_equal_the_separate_ones_concatenated():
+    """q/k/v (with a bias on some, as Qwen2 has on all three) and gate/up run as one packed call."""
+    torch.manual_seed(1)
+    parts = [torch.nn.Linear(48, 64, bias=True), torch.nn.Linear(48, 16, bias=False), torch.nn.Linear(48, 16, bias=True)]
+    fused = cpugemm.PackedLinear(*parts)
+    x = torch.randn(3, 7, 48)
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], -1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mixtral"])
+def test_a_packed_target_gives_the_same_logits(tiny_checkpoint, family):
+    """Whole targets (qkv bias, q/k norms, MoE experts): the packed, fused forward equals the nn.Linear one."""
+    from eaglespec.loading import load_target
+    ref, _ = load_target(str(tiny_checkpoint(family)), device="cpu", dtype=torch.float32)
+    packed, _ = load_target(str(tiny_checkpoint(family)), device="cpu", dtype=torch.float32)
+    assert cpugemm.pack_linears(packed) > 0
+    toks = torch.tensor([[1, 4, 9, 16, 25, 36]])
+    pos = torch.arange(6)[None]
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(toks, pos)[1], ref(toks, pos)[1], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_linear_takes_strided_input_and_rejects_a_wrong_width():
+    lin = torch.nn.Linear(32, 24)
+    packed = cpugemm.PackedLinear(lin)
+    x = torch.randn(6, 64)[:, ::2]  # not contiguous
+    torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="input has 31 features, weight 32"):
+        packed(torch.randn(3, 31))
+
+
+def test_packed_linear_compiles_to_the_same_numbers():
+    torch._dynamo.reset()
+    lin = torch.nn.Linear(64, 40, bias=True)
+    packed = cpugemm.PackedLinear(lin).eval()
+    fn = torch.compile(lambda x: torch.relu(packed(x)) * 2, fullgraph=True)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(fn(x), torch.relu(lin(x)) * 2, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_swaps_the_target_linears_and_decodes_as_before(make_oracle_pair, same_or_tie):
+    """Greedy output of a packed engine equals an unpacked engine's on the same weights, for plain
+    decoding and EAGLE (each also equal to the other within its engine)."""
+    model_a, head_a = make_oracle_pair(noise=0.3)
+    model_b, head_b = make_oracle_pair(noise=0.3)
+    plain = Engine(model_a, None, head_a, packed_gemm=False)
+    packed = Engine(model_b, None, head_b)
+    assert not plain.packed_gemm and packed.packed_gemm
+    assert not any(isinstance(m, cpugemm.PackedLinear) for m in model_a.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in model_b.modules())
+    assert all(hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj") for layer in model_b.layers)
+    for prompt in ([1, 5, 9, 2], [3, 3, 7, 11, 4, 8]):
+        want = plain.generate(input_ids=prompt, method="vanilla", max_new_tokens=24, temperature=0).token_ids
+        for method in ("vanilla", "eagle"):
+            got = packed.generate(input_ids=prompt, method=method, max_new_tokens=24, temperature=0).token_ids
+            same_or_tie(model_a, prompt, got, want)
+
+
+def test_packed_gemm_can_be_turned_off(make_oracle_pair, monkeypatch):
+    model, head = make_oracle_pair()
+    assert not Engine(model, None, head, packed_gemm=False).packed_gemm
+    monkeypatch.setitem(cpugemm._STATE, "why", "disabled by EAGLESPEC_CPU_GEMM=0")
+    model, head = make_oracle_pair()
+    assert not Engine(model, None, head).packed_gemm

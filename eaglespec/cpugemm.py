@@ -4,11 +4,10 @@ Why: verification multiplies 1-32 rows by every weight of the target. With so fe
 stream from memory once and the arithmetic is small, so n rows should cost about what one row costs
 until the FMA units saturate (`../shared/design/cpu-notes.md`). Neither backend we had gets there:
 MKL repacks the weight every call, and inductor's C++ GEMM template re-reads each weight panel once
-per small block of rows. This kernel packs each weight once into 8-column panels ([N/8, K, 8]) and
-runs all rows of a call (up to 8 at a time; more rows take more passes over a panel that is then in
-cache) in registers over one streamed pass of the panel, prefetching the next panel meanwhile.
-Above 8 rows it works on pairs of panels (6 rows x 16 columns in registers: two FMAs per broadcast),
-which measured 10-17 % faster there and 5 % slower at 8 rows.
+per small block of rows. This kernel packs each weight once into 8-column panels ([N/8, K, 8]). Up to
+8 rows run in registers over one streamed pass of each panel, prefetching the next panel meanwhile.
+Above 8 rows it works on pairs of panels (6 rows x 16 columns in registers: two FMAs per broadcast)
+in passes over a pair that is then in cache; pairs measured 10-17 % faster there and 5 % slower at 8.
 
 It is a torch custom op (`torch.ops.eaglespec.packed_mm`), so torch.compile treats it as one opaque
 call and it works eagerly the same. Built once per machine with torch's C++ extension loader into the
@@ -242,9 +241,11 @@ def _load() -> str | None:
     name = f"eaglespec_cpugemm_{tag}"
     build = cache_root() / "ext" / name
     build.mkdir(parents=True, exist_ok=True)
-    (build / "cpugemm.cpp").write_text(_SOURCE) if not (build / "cpugemm.cpp").is_file() else None
+    source = build / "cpugemm.cpp"
+    if not source.is_file():  # the name carries the source's hash, so an existing file is this source
+        source.write_text(_SOURCE)
     try:
-        cpp_extension.load(name, [str(build / "cpugemm.cpp")], build_directory=str(build),
+        cpp_extension.load(name, [str(source)], build_directory=str(build),
                            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"],
                            is_python_module=False, verbose=False)
     except Exception as e:  # a failed build must not stop generation: nn.Linear still works

@@ -120,14 +120,10 @@ class StaticCall:
     mask (t, cache_start + t); without one, the t tokens are causal after `cache_start` cached ones.
     """
 
-    def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = ""):
+    def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = "", freeze: bool = True):
         self.cache_owner, self.name = cache_owner, name
         self.compiled = compile_mode is not None
-        if self.compiled:
-            configure_inductor()
-            self._fn = torch.compile(fn, mode=compile_mode, fullgraph=True)
-        else:
-            self._fn = fn
+        self._fn = compile_fn(fn, compile_mode, freeze) if self.compiled else fn
 
     def __call__(self, *inputs, cache_start: int, t: int, mask: torch.Tensor | None = None):
         end = cache_start + t
@@ -142,6 +138,17 @@ class StaticCall:
             torch._dynamo.mark_dynamic(full, 1)
         slots = torch.arange(cache_start, end, device=device)
         return self._fn(*inputs, slots=slots, mask=full)
+
+
+def compile_fn(fn, mode: str, freeze: bool = True):
+    """torch.compile(fn, mode=mode, fullgraph=True); freeze=False turns inductor's freezing off for this
+    function only. Why: freezing is there to let inductor prepack its own GEMMs, but where every GEMM is
+    our packed op (cpugemm.py) it buys nothing, and it costs each graph ~6 s more in every new process
+    (freezing passes re-run before the FX graph cache lookup): warm start ~10 s a graph -> ~4 s."""
+    configure_inductor()
+    if freeze:
+        return torch.compile(fn, mode=mode, fullgraph=True)
+    return torch.compile(fn, fullgraph=True, options={**torch._inductor.list_mode_options(mode), "freezing": False})
 
 
 def default_mode(device: torch.device) -> str:

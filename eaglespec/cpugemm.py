@@ -12,7 +12,10 @@ in passes over a pair that is then in cache; pairs measured 10-17 % faster there
 It is a torch custom op (`torch.ops.eaglespec.packed_mm`), so torch.compile treats it as one opaque
 call and it works eagerly the same. Built once per machine with torch's C++ extension loader into the
 eaglespec cache (about 20 s); where it cannot be built (no compiler, no AVX2/FMA, not x86) the engine
-keeps nn.Linear, with one line saying so. Only the engine's target uses it: CPU, fp32.
+keeps nn.Linear, with one line saying so. The engine runs its target, its draft head and the draft
+LM-head rows on it (CPU, fp32). With every GEMM ours, its compiled graphs skip inductor's freezing,
+which was there to prepack inductor's own GEMMs: a new process then loads each graph from the FX
+graph cache in ~4 s instead of ~10 s.
 """
 from __future__ import annotations
 
@@ -270,14 +273,14 @@ class PackedLinear(nn.Module):
 
     def __init__(self, *linears: nn.Linear):
         super().__init__()
-        self.in_features = linears[0].in_features
-        self.out_features = sum(lin.out_features for lin in linears)
+        self.in_features = linears[0].weight.shape[1]
+        self.out_features = sum(lin.weight.shape[0] for lin in linears)
         with torch.no_grad():
             w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
             self.register_buffer("packed", torch.ops.eaglespec.packed_pack(w))
             bias = None
             if any(lin.bias is not None for lin in linears):
-                bias = torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features)
+                bias = torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.weight.shape[0])
                                   for lin in linears])
             self.register_buffer("bias", bias)
 
@@ -296,6 +299,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def packed_copy(module: nn.Module) -> nn.Module:
+    """A copy of `module` (a draft head) whose linears are PackedLinears and whose other parameters and
+    buffers are the same tensors; `module` itself is left as it was. Why a copy, when the target is
+    packed in place: a head is saved, copied and reloaded by its state dict (bench, serve, training
+    code, tests), and a packed one would hand over `*.packed` keys that a fresh head silently ignores."""
+    import copy
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    clone = copy.deepcopy(module, memo)
+    pack_linears(clone, fuse=False)
+    return clone
+
+
 def usable_for(model: nn.Module) -> str | None:
     """None if `model`'s linears can run on the packed kernel, else why not."""
     w = model.embed_tokens.weight
@@ -312,12 +327,13 @@ def _linear(m) -> bool:
     return isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every nn.Linear of the target's layers and its LM head for a PackedLinear, in place, with
-    q/k/v and gate/up fused. Returns how many linears were swapped. The embedding (which an LM head
-    may be tied to) stays as it is."""
+def pack_linears(model: nn.Module, fuse: bool = True) -> int:
+    """Swap every nn.Linear of `model` (the target's layers and LM head, or a draft head) for a
+    PackedLinear, in place; with `fuse`, q/k/v and gate/up become one linear each (model.py runs them
+    so; a head's training code reads q_proj & co. by name, so heads keep them apart). Returns how many
+    linears were swapped. The embedding (which an LM head may be tied to) stays as it is."""
     swapped = 0
-    for parent in list(model.modules()):
+    for parent in list(model.modules()) if fuse else ():
         for fused, names in _FUSED.items():
             parts = [getattr(parent, n, None) for n in names]
             if all(_linear(p) for p in parts):

@@ -19,7 +19,7 @@ from .head import EagleHead, load_head, random_eagle3_head, random_head
 from .loading import DEFAULT_MODEL, load_target, load_tokenizer
 from .model import Transformer
 from .sampling import SamplingParams, next_token
-from .compiled import StaticCall, configure_inductor, default_mode
+from .compiled import StaticCall, compile_fn, configure_inductor, default_mode
 from .costmodel import AUTO_BUCKETS, TreePolicy
 from .stopping import Stopper, stream_delta
 from .tree import Drafter, Tree, TreeConfig, select_tree, top_by_score
@@ -158,6 +158,20 @@ def _pack_target(model: Transformer, wanted: bool | None) -> bool:
     return True
 
 
+class _Rows(torch.nn.Module):
+    """The draft vocabulary's rows of the target's LM head, as a module parameter rather than a bare
+    tensor: compiled, it is then frozen into the graph and gets inductor's prepacked GEMM instead of an
+    extern aten::mm (4x slower here). On the packed path a PackedLinear takes its place."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None
+
+    def forward(self, hidden):
+        return torch.nn.functional.linear(hidden, self.weight)
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, head: EagleHead | None = None,
                  tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False,
@@ -166,7 +180,8 @@ class Engine:
         cost_table: a `costmodel.CostTable` for `tree.auto` (default: the cached calibration, measured
         on first use).
         packed_gemm: run the target's linears on the few-row CPU GEMM (cpugemm.py; swaps them in
-        `model`, in place). None: wherever it works (CPU fp32 with AVX2 and a compiler); False: never."""
+        `model`, in place), and the head's and draft LM-head rows' too (on a copy: `head` is left as it
+        is, and `self.head` is the packed copy). None: wherever it works (CPU fp32 with AVX2 and a compiler); False: never."""
         self.model = model
         self.tokenizer = tokenizer
         self.head = head
@@ -182,30 +197,28 @@ class Engine:
         check_tree_fits_head(self.tree, head)
         self._draft_ids = head.draft_ids if head is not None else None
         w = model.lm_head.weight
-        # The draft LM head rows as a module parameter, not a bare tensor: compiled, it is then frozen
-        # into the graph and gets inductor's prepacked GEMM instead of an extern aten::mm (4x slower here).
-        # An EAGLE-3 head has its own LM head: it gets no copy of the target's rows.
-        self._draft_lm = torch.nn.Module()
-        self._draft_lm.weight = None
+        rows = None  # an EAGLE-3 head has its own LM head: it gets no copy of the target's rows
         if head is None or getattr(head, "borrows_lm_head", True):
-            self._draft_lm.weight = torch.nn.Parameter(
-                w if self._draft_ids is None else w[self._draft_ids].contiguous(), requires_grad=False)
+            rows = w if self._draft_ids is None else w[self._draft_ids].contiguous()
         self.packed_gemm = _pack_target(model, packed_gemm)
+        self._draft_lm = _Rows(rows) if rows is not None else None
+        if self.packed_gemm:
+            from . import cpugemm
+            if head is not None:
+                self.head = head = cpugemm.packed_copy(head)
+            if rows is not None:
+                self._draft_lm = cpugemm.PackedLinear(self._draft_lm)
         self.compile_mode = (compile if isinstance(compile, str) else default_mode(self.device)) if compile else None
         self.compiled = self.compile_mode is not None
         if self.compiled:
             configure_inductor(self.device, w.dtype)
         # One cache for the engine's life: a compiled graph must not see its buffers replaced.
         self._ensure_cache(self.max_context + self._round_slack())
-        mode = self.compile_mode
-        self._target_call = StaticCall(self._target_fn, model, mode, "target")
-        self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up") if head is not None else None
-        self._expand_call = StaticCall(self._expand_fn, head, mode, "expand") if head is not None else None
-        if mode is not None:
-            configure_inductor()
-            self._move = torch.compile(self._move_fn, mode=mode, fullgraph=True)
-        else:
-            self._move = self._move_fn
+        mode, freeze = self.compile_mode, not self.packed_gemm  # packed: no inductor GEMM left to prepack
+        self._target_call = StaticCall(self._target_fn, model, mode, "target", freeze)
+        self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up", freeze) if head is not None else None
+        self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", freeze) if head is not None else None
+        self._move = compile_fn(self._move_fn, mode, freeze) if mode is not None else self._move_fn
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None
 
@@ -291,7 +304,8 @@ class Engine:
         return hidden, logits
 
     def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self.head.draft_logits(hidden, self._draft_lm.weight).float(), dim=-1)
+        logits = self.head.draft_logits(hidden) if self._draft_lm is None else self._draft_lm(hidden)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self._draft_ids is None else self._draft_ids[ids]

@@ -81,6 +81,11 @@ def test_engine_swaps_the_target_linears_and_decodes_as_before(make_oracle_pair,
     assert not any(isinstance(m, cpugemm.PackedLinear) for m in model_a.modules())
     assert not any(isinstance(m, torch.nn.Linear) for m in model_b.modules())
     assert all(hasattr(layer.self_attn, "qkv_proj") and hasattr(layer.mlp, "gate_up_proj") for layer in model_b.layers)
+    # the head and the draft LM-head rows run on it too, the head as a packed copy (q/k/v kept apart)
+    # that shares its other tensors: the caller's head and its state dict are left as they were
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.head.modules())
+    assert hasattr(packed.head.layers[0].self_attn, "q_proj") and isinstance(packed._draft_lm, cpugemm.PackedLinear)
+    assert any(isinstance(m, torch.nn.Linear) for m in head_b.modules()) and "fc.weight" in head_b.state_dict()
     for prompt in ([1, 5, 9, 2], [3, 3, 7, 11, 4, 8]):
         want = plain.generate(input_ids=prompt, method="vanilla", max_new_tokens=24, temperature=0).token_ids
         for method in ("vanilla", "eagle"):

@@ -120,9 +120,14 @@ class StaticCall:
     mask (t, cache_start + t); without one, the t tokens are causal after `cache_start` cached ones.
     """
 
-    def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = "", freeze: bool = True):
+    def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = "", freeze: bool = True,
+                 dynamic_t: bool = False):
+        """dynamic_t: one graph for every t >= 2 (t = 1 keeps its own static graph), with the inputs' t
+        at dim 1. Only where no GEMM needs a static row count, i.e. all run on cpugemm's packed op:
+        then one graph replaces a graph per verification size, which a new process must each load."""
         self.cache_owner, self.name = cache_owner, name
         self.compiled = compile_mode is not None
+        self.dynamic_t = dynamic_t
         self._fn = compile_fn(fn, compile_mode, freeze) if self.compiled else fn
 
     def __call__(self, *inputs, cache_start: int, t: int, mask: torch.Tensor | None = None):
@@ -134,9 +139,14 @@ class StaticCall:
             full[:, :end] = torch.ones(t, end, dtype=torch.bool, device=device).tril(cache_start)
         else:
             full[:, :end] = mask
+        slots = torch.arange(cache_start, end, device=device)
         if self.compiled:
             torch._dynamo.mark_dynamic(full, 1)
-        slots = torch.arange(cache_start, end, device=device)
+            if self.dynamic_t and t > 1:
+                for x in (full, slots):
+                    torch._dynamo.mark_dynamic(x, 0)
+                for x in inputs:
+                    torch._dynamo.mark_dynamic(x, 1)
         return self._fn(*inputs, slots=slots, mask=full)
 
 

@@ -215,7 +215,7 @@ class Engine:
         # One cache for the engine's life: a compiled graph must not see its buffers replaced.
         self._ensure_cache(self.max_context + self._round_slack())
         mode, freeze = self.compile_mode, not self.packed_gemm  # packed: no inductor GEMM left to prepack
-        self._target_call = StaticCall(self._target_fn, model, mode, "target", freeze)
+        self._target_call = StaticCall(self._target_fn, model, mode, "target", freeze, dynamic_t=self.packed_gemm)
         self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up", freeze) if head is not None else None
         self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", freeze) if head is not None else None
         self._move = compile_fn(self._move_fn, mode, freeze) if mode is not None else self._move_fn

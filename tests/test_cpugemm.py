@@ -99,3 +99,23 @@ def test_packed_gemm_can_be_turned_off(make_oracle_pair, monkeypatch):
     monkeypatch.setitem(cpugemm._STATE, "why", "disabled by EAGLESPEC_CPU_GEMM=0")
     model, head = make_oracle_pair()
     assert not Engine(model, None, head).packed_gemm
+
+
+def test_a_compiled_packed_engine_verifies_every_size_with_one_graph(make_oracle_pair, same_or_tie):
+    """With every GEMM on the packed op, the target's verification is one graph for all sizes >= 2
+    (plus the static one-token step): a new process loads 2 graphs, not one per tree size. Its
+    outputs still equal the eager engine's."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    model, head = make_oracle_pair(noise=0.3)
+    engine = Engine(model, None, head, compile="default")
+    assert engine.packed_gemm and engine._target_call.dynamic_t
+    counters.clear()
+    for n in (1, 3, 5, 8, 16):
+        engine.time_verify_call(n, 20)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    eager = Engine(model, None, head)
+    for prompt in ([1, 5, 9, 2], [3, 3, 7, 11, 4, 8]):
+        want = eager.generate(input_ids=prompt, method="vanilla", max_new_tokens=20, temperature=0).token_ids
+        got = engine.generate(input_ids=prompt, method="eagle", max_new_tokens=20, temperature=0).token_ids
+        same_or_tie(model, prompt, got, want)

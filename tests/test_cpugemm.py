@@ -14,10 +14,13 @@ pytestmark = pytest.mark.skipif(cpugemm.why_unavailable() is not None,
 
 @pytest.mark.parametrize("m,k,n", [(1, 576, 576), (2, 64, 192), (3, 7, 13), (5, 33, 8), (8, 64, 9),
                                    (9, 576, 192), (12, 40, 100), (16, 1536, 24), (17, 64, 49), (33, 16, 17),
-                                   (300, 96, 1000), (0, 8, 8)])
-def test_packed_linear_equals_nn_linear(m, k, n):
-    """Every row-pass split (1-8 rows, several passes), ragged last panels (n not a multiple of 8),
-    odd K (the unrolled loop's tail), with and without bias, and batch dimensions."""
+                                   (300, 96, 1000), (0, 8, 8), (24, 48, 40), (25, 48, 33)])
+@pytest.mark.parametrize("width", sorted({8, cpugemm.panel_width()}) if cpugemm.why_unavailable() is None else [8])
+def test_packed_linear_equals_nn_linear(m, k, n, width, monkeypatch):
+    """Both kernels (8-column AVX2 panels; 16-column AVX-512 ones where the CPU has it): every row-pass
+    split (1-8 rows, 16 / 24 rows in one pass, several passes), ragged last panels (n not a multiple of
+    the width), odd K (the unrolled loop's tail), with and without bias, and batch dimensions."""
+    monkeypatch.setitem(cpugemm._STATE, "width", width)
     torch.manual_seed(m * 1000 + n)
     for bias in (False, True):
         lin = torch.nn.Linear(k, n, bias=bias)
@@ -25,7 +28,7 @@ def test_packed_linear_equals_nn_linear(m, k, n):
         x = torch.randn(2, m, k)
         want, got = lin(x), packed(x)
         assert got.shape == want.shape
-        assert torch.equal(packed.weight, lin.weight)
+        assert torch.equal(packed.weight, lin.weight) and packed.packed.shape[2] == width
         torch.testing.assert_close(got, want, atol=1e-5 * k ** 0.5, rtol=1e-5)
 
 

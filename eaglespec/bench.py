@@ -737,6 +737,7 @@ def run(args) -> int:
                         progress=not args.no_progress)
     figs = summarize(records, methods, args.temperature)
     settings = {k: v for k, v in vars(args).items() if k != "func"}
+    from .costmodel import gemm_name
     settings.update(
         command=shlex.join(["eaglespec"] + sys.argv[1:]) if Path(sys.argv[0]).name == "eaglespec"
         else shlex.join(sys.argv), methods=names, dataset_name=path.stem, dataset_path=str(path.resolve()),
@@ -744,6 +745,7 @@ def run(args) -> int:
         generations_per_method=len(records) // len(names), head_source=str(getattr(engine, "head_source", None)),
         tree=vars(engine.tree), compiled=bool(getattr(engine, "compiled", False)),
         packed_gemm=bool(getattr(engine, "packed_gemm", False)),
+        gemm=gemm_name(engine),
         warmup_tokens=min(WARMUP_TOKENS, args.max_new_tokens))
     if args.no_token_ids:
         for r in records:

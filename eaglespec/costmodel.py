@@ -64,6 +64,13 @@ class CostTable:
 
 # ---- measuring ----------------------------------------------------------------------------------
 
+def gemm_name(engine) -> str:
+    if not getattr(engine, "packed_gemm", False):
+        return "torch"
+    from .cpugemm import panel_width
+    return "packed" if panel_width() == 8 else f"packed{panel_width()}"  # "packed": the AVX2 kernel, as before
+
+
 def table_key(engine) -> dict:
     w = engine.model.embed_tokens.weight
     h = engine.head
@@ -80,7 +87,7 @@ def table_key(engine) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "mode": engine.compile_mode or "eager",
-        "gemm": "packed" if getattr(engine, "packed_gemm", False) else "torch",  # cpugemm.py: other costs
+        "gemm": gemm_name(engine),  # cpugemm.py, and which of its kernels: other costs
     }
 
 

@@ -119,3 +119,21 @@ def test_installed_command_exits_cleanly(folders):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert proc.stderr.startswith("eaglespec: error: model path not found")
+
+
+def test_compare_needs_at_least_one_pair(capsys, folders):
+    msg = cli_error(capsys, "generate", "--model", folders["model"], "--head", "random", "--device", "cpu",
+                    "--eager", "--compare", "--repeats", 0, "hi")
+    assert "--repeats" in msg
+
+
+def test_compare_reports_the_median_of_interleaved_pairs(capsys, folders):
+    """`generate --compare` (the demo) times `--repeats` pairs, alternating which method goes first, and
+    reports the median speed-up of them; greedy outputs are identical."""
+    import json
+    code = main(["generate", "--model", str(folders["model"]), "--head", "random", "--device", "cpu", "--eager",
+                 "--compare", "--repeats", "3", "--json", "--max-new-tokens", "12", "--raw", "hello"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and out["identical"] and len(out["pairs"]) == 3
+    ratios = sorted(p["eagle"] / p["vanilla"] for p in out["pairs"])
+    assert out["speedup"] == pytest.approx(ratios[1])

@@ -109,19 +109,29 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256, progress=None) -> CostTable:
-    """Time verification of n tokens and the two draft calls at a `context`-token prefix."""
-    verify_ms = {}
-    for n in sizes:
-        if progress:
-            progress(f"verify {n}")
-        verify_ms[n] = _median_ms(lambda: engine.time_verify_call(n, context), reps)
-    draft_first = draft_step = 0.0
+    """Time verification of n tokens and the two draft calls at a `context`-token prefix.
+
+    The calls are timed round-robin (every size once per repetition), not one size after another:
+    this CPU's speed drifts by tens of percent within minutes (memory bandwidth shared with other
+    tenants), and timed in sequence such a drift lands on some sizes only and skews T(n)/T(1)."""
+    calls = {("verify", n): (lambda n=n: engine.time_verify_call(n, context)) for n in sizes}
     if engine.head is not None:
+        calls[("draft", "first")] = lambda: engine.time_draft_call("first", context)
+        calls[("draft", "step")] = lambda: engine.time_draft_call("step", context)
+    for name, fn in calls.items():  # compile / warm caches
         if progress:
-            progress("draft")
-        draft_first = _median_ms(lambda: engine.time_draft_call("first", context), reps)
-        draft_step = _median_ms(lambda: engine.time_draft_call("step", context), reps)
-    return CostTable(verify_ms, draft_first, draft_step, table_key(engine), context)
+            progress(f"{name[0]} {name[1]}")
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    ms = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
+    verify_ms = {n: ms[("verify", n)] for n in sizes}
+    return CostTable(verify_ms, ms.get(("draft", "first"), 0.0), ms.get(("draft", "step"), 0.0),
+                     table_key(engine), context)
 
 
 def load_table(engine) -> CostTable | None:

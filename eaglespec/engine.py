@@ -452,11 +452,12 @@ class Engine:
                 tokens = tree.tokens.tolist()
                 new = [tokens[i] for i in path[1:]] + [bonus]
             accepted = len(path)
-            src = torch.tensor(path + list(range(accepted, self._pad)), device=dev)
-            dst = torch.arange(self._pad, device=dev)
-            src[accepted:] = dst[accepted:] + n  # padding: slots past the tree copy onto themselves, harmlessly
-            dst[accepted:] += n
-            self._move(cur + src, cur + dst)
+            if path != list(range(accepted)):  # else every accepted node is in its slot already: no call
+                src = torch.tensor(path + list(range(accepted, self._pad)), device=dev)
+                dst = torch.arange(self._pad, device=dev)
+                src[accepted:] = dst[accepted:] + n  # padding: slots past the tree copy onto themselves, harmlessly
+                dst[accepted:] += n
+                self._move(cur + src, cur + dst)
             t2 = time.perf_counter()
             if policy is not None:
                 policy.observe(*self._kept, accepted - 1)

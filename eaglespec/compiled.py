@@ -120,7 +120,7 @@ class StaticCall:
     mask (t, cache_start + t); without one, the t tokens are causal after `cache_start` cached ones.
     """
 
-    def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = "", freeze: bool = True,
+    def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = "", packed: bool = False,
                  dynamic_t: bool = False):
         """dynamic_t: one graph for every t >= 2 (t = 1 keeps its own static graph), with the inputs' t
         at dim 1. Only where no GEMM needs a static row count, i.e. all run on cpugemm's packed op:
@@ -128,7 +128,7 @@ class StaticCall:
         self.cache_owner, self.name = cache_owner, name
         self.compiled = compile_mode is not None
         self.dynamic_t = dynamic_t
-        self._fn = compile_fn(fn, compile_mode, freeze) if self.compiled else fn
+        self._fn = compile_fn(fn, compile_mode, packed) if self.compiled else fn
 
     def __call__(self, *inputs, cache_start: int, t: int, mask: torch.Tensor | None = None):
         end = cache_start + t
@@ -150,16 +150,18 @@ class StaticCall:
         return self._fn(*inputs, slots=slots, mask=full)
 
 
-def compile_fn(fn, mode: str, freeze: bool = True):
-    """torch.compile(fn, mode=mode, fullgraph=True); freeze=False (the packed CPU path) turns inductor's
-    freezing off for this function only, and its C++ wrapper on. Why: freezing is there to let inductor prepack its own GEMMs, but where every GEMM is
-    our packed op (cpugemm.py) it buys nothing, and it costs each graph ~6 s more in every new process
-    (freezing passes re-run before the FX graph cache lookup): warm start ~10 s a graph -> ~4 s."""
+def compile_fn(fn, mode: str, packed: bool = False):
+    """torch.compile(fn, mode=mode, fullgraph=True). packed: every GEMM of `fn` runs on cpugemm's op
+    (the CPU fp32 path); then inductor's freezing is off for this function and its C++ wrapper on.
+
+    Why no freezing: it is there to let inductor prepack its own GEMMs; with none left it buys nothing,
+    and it costs each graph ~6 s more in every new process (the freezing passes run before the FX graph
+    cache lookup): warm start ~10 s a graph -> ~4 s."""
     configure_inductor()
-    if freeze:
+    if not packed:
         return torch.compile(fn, mode=mode, fullgraph=True)
-    # freeze=False is the packed CPU path (cpugemm.py), where the per-call cost is no longer the GEMMs
-    # alone: inductor's Python wrapper runs ~2,200 allocations, views and launches a call (2.5-3 ms of a
+    # Why the C++ wrapper: with the GEMMs ours, the per-call cost is no longer the GEMMs alone:
+    # inductor's Python wrapper runs ~2,200 allocations, views and launches a call (2.5-3 ms of a
     # 25 ms step). Its C++ wrapper measured 7-12 % faster for every verification size and 6 % for the
     # draft calls (two engines on separate weights, interleaved in one process, outputs identical).
     # CUDA graphs do not apply on CPU; leaving them on only makes inductor warn about the C++ wrapper.

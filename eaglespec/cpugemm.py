@@ -374,12 +374,12 @@ class PackedLinear(nn.Module):
 
 def packed_copy(module: nn.Module) -> nn.Module:
     """A copy of `module` (a draft head) whose linears are PackedLinears and whose other parameters and
-    buffers are the same tensors; `module` itself is left as it was. Why a copy, when the target is
-    packed in place: a head is saved, copied and reloaded by its state dict (bench, serve, training
-    code, tests), and a packed one would hand over `*.packed` keys that a fresh head silently ignores."""
-    import copy
-    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    clone = copy.deepcopy(module, memo)
+    buffers are the same tensors (no KV cache); `module` itself is left as it was. Why a copy, when the
+    target is packed in place: a head is saved, copied and reloaded by its state dict (bench, serve,
+    training code, tests), and a packed one would hand over `*.packed` keys that a fresh head silently
+    ignores."""
+    from .model import share_weights
+    clone = share_weights(module)
     pack_linears(clone, fuse=False)
     return clone
 

@@ -181,7 +181,8 @@ class Engine:
         on first use).
         packed_gemm: run the target's linears on the few-row CPU GEMM (cpugemm.py; swaps them in
         `model`, in place), and the head's and draft LM-head rows' too (on a copy: `head` is left as it
-        is, and `self.head` is the packed copy). None: wherever it works (CPU fp32 with AVX2 and a compiler); False: never."""
+        is, and `self.head` is the packed copy). None: wherever it works (CPU fp32 with AVX2 and a
+        compiler); False: never."""
         self.model = model
         self.tokenizer = tokenizer
         self.head = head
@@ -214,11 +215,11 @@ class Engine:
             configure_inductor(self.device, w.dtype)
         # One cache for the engine's life: a compiled graph must not see its buffers replaced.
         self._ensure_cache(self.max_context + self._round_slack())
-        mode, freeze = self.compile_mode, not self.packed_gemm  # packed: no inductor GEMM left to prepack
-        self._target_call = StaticCall(self._target_fn, model, mode, "target", freeze, dynamic_t=self.packed_gemm)
-        self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up", freeze) if head is not None else None
-        self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", freeze) if head is not None else None
-        self._move = compile_fn(self._move_fn, mode, freeze) if mode is not None else self._move_fn
+        mode, packed = self.compile_mode, self.packed_gemm
+        self._target_call = StaticCall(self._target_fn, model, mode, "target", packed, dynamic_t=packed)
+        self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up", packed) if head is not None else None
+        self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", packed) if head is not None else None
+        self._move = compile_fn(self._move_fn, mode, packed) if mode is not None else self._move_fn
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None
 

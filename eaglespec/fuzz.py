@@ -157,11 +157,11 @@ class Engines:
 
     def __init__(self, model, tokenizer, head, compile_mode: str | bool = "default"):
         from .engine import Engine
-        from .serve import _share_weights
+        from .model import share_weights
         self.model, self.tokenizer, self.compile_mode = model, tokenizer, compile_mode
         self.heads = {"head": head}
         self._other_head = lambda: other_vocab(head)
-        self.plain = Engine(_share_weights(model), tokenizer, compile=False)  # the reference: plain and eager
+        self.plain = Engine(share_weights(model), tokenizer, compile=False)  # the reference: plain and eager
         self.base_eos = set(self.plain.eos_ids)
         self._eagle: collections.OrderedDict = collections.OrderedDict()  # least recently used first
         self._apps: dict = {}       # engine key -> open TestClient
@@ -179,7 +179,7 @@ class Engines:
 
     def eagle(self, case: Case):
         from .engine import Engine
-        from .serve import _share_weights
+        from .model import share_weights
         from .tree import TreeConfig
         key = self._key(case)
         if key in self._eagle:
@@ -187,10 +187,10 @@ class Engines:
             return self._eagle[key]
         if case.compiled:
             _room_for_compiled_engines()
-            model, head = _share_weights(self.model), _share_weights(self.head(case.vocab))
+            model, head = share_weights(self.model), share_weights(self.head(case.vocab))
         else:
             if case.vocab not in self._shells:
-                self._shells[case.vocab] = (_share_weights(self.model), _share_weights(self.head(case.vocab)))
+                self._shells[case.vocab] = (share_weights(self.model), share_weights(self.head(case.vocab)))
             model, head = self._shells[case.vocab]
         self._eagle[key] = Engine(model, self.tokenizer, head, TreeConfig(**case.tree),
                                   compile=self.compile_mode if case.compiled else False, cost_table=fuzz_cost_table())

@@ -6,6 +6,7 @@ its `model.` prefix, and the draft head reuses `DecoderLayer` with EAGLE's key n
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, fields
 
@@ -355,3 +356,12 @@ def check_aux_layers(layers, n_layers: int) -> tuple[int, ...]:
         raise ValueError(f"EAGLE-3 takes three target layers in [0, {n_layers}] (the hidden states entering them; "
                          f"{n_layers} = the last layer's output), got {list(layers)}")
     return layers
+
+
+def share_weights(module: nn.Module) -> nn.Module:
+    """A copy of `module` (a target or a head) whose parameters and buffers are the same tensors, with no
+    KV cache: another engine over the same weights, or a variant of the module, costs no weight memory."""
+    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    clone = copy.deepcopy(module, memo)
+    clone.cache = None
+    return clone

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .cli import add_engine_args, build_engine
+from .model import share_weights
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -120,23 +121,15 @@ def _is_loopback(host: str) -> bool:
 
 # ---- engine replicas -----------------------------------------------------------------------------
 
-def _share_weights(module):
-    """A copy of `module` whose parameters and buffers are the same tensors, with no KV cache."""
-    memo = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    clone = copy.deepcopy(module, memo)
-    clone.cache = None
-    return clone
-
-
 def replicate(engine: "Engine", n: int) -> list["Engine"]:
     """`engine` plus n-1 engines over the same weights, each with its own KV caches and tokenizer
     (a Rust tokenizer must not be used from two threads at once)."""
     from .engine import Engine
     engines = [engine]
     for _ in range(n - 1):
-        head = _share_weights(engine.head) if engine.head is not None else None
+        head = share_weights(engine.head) if engine.head is not None else None
         extra = {"compile": True} if getattr(engine, "compiled", False) else {}
-        e = Engine(_share_weights(engine.model), copy.deepcopy(engine.tokenizer), head, engine.tree,
+        e = Engine(share_weights(engine.model), copy.deepcopy(engine.tokenizer), head, engine.tree,
                    engine.max_context, **extra)
         e.head_source = getattr(engine, "head_source", None)
         engines.append(e)

@@ -67,8 +67,12 @@ class CostTable:
 def gemm_name(engine) -> str:
     if not getattr(engine, "packed_gemm", False):
         return "torch"
+    from .model import Attention
     from .cpugemm import panel_width
-    return "packed" if panel_width() == 8 else f"packed{panel_width()}"  # "packed": the AVX2 kernel, as before
+    name = "packed" if panel_width() == 8 else f"packed{panel_width()}"  # "packed": the AVX2 kernel, as before
+    if any(isinstance(m, Attention) and m.small_attention for m in engine.model.modules()):
+        name += "+attn"  # cpugemm's attention kernel too
+    return name
 
 
 def table_key(engine) -> dict:

@@ -37,6 +37,8 @@ _SOURCE = r"""
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <limits>
+#include <vector>
 
 namespace {
 constexpr int NR = 8;  // columns per panel: one ymm register
@@ -267,16 +269,170 @@ at::Tensor packed_mm(const at::Tensor& x_in, const at::Tensor& wp_in, int64_t N)
   });
   return y.view(sizes);
 }
+
+// ---- attention of a few query rows over a KV cache (decoding, verification, batched decoding) ------
+// Why not torch's CPU flash attention: for 1-32 query rows it spends most of its time on set-up and
+// blocking made for long queries (58-143 us a layer at 1 row, 256-640 keys, where reading the keys and
+// values takes ~30), and it reads every key of the mask's length for every batch row. Here each query
+// row reads only the keys its mask shows, in the cache's own layout, and its result depends only on its
+// query, those keys and their order: not on the batch, the other rows or the cache's padded length.
+constexpr int64_t ROWS = 16;  // query rows a task aims for: the heads of one KV head times some positions
+
+__attribute__((target("avx512f"))) static inline __m512 exp16(__m512 x) {
+  // exp(x) = 2^n e^r, |r| <= ln2 / 2; e^r by Cephes' expf polynomial (about 1 ulp).
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Row {
+  const float* q;
+  const bool* mask;  // this row's L flags
+  float* out;
+};
+
+// The query rows `rows` (all on one KV head) against keys / values of row stride ks / vs; s: R x L scratch.
+// NV = head_dim / 16. Every row's arithmetic is the same whatever the other rows are.
+template <int NV>
+__attribute__((target("avx512f"))) void attend_rows(const Row* rows, int64_t R, const float* k, int64_t ks,
+                                                    const float* v, int64_t vs, int64_t L, float scale,
+                                                    float* s, float* mx) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < R; ++r) mx[r] = ninf;
+  for (int64_t j = 0; j < L; ++j) {  // scores: each shown key read once for all R rows
+    bool any = false;
+    for (int64_t r = 0; r < R; ++r) any |= rows[r].mask[j];
+    if (!any) {
+      for (int64_t r = 0; r < R; ++r) s[r * L + j] = ninf;
+      continue;
+    }
+    __m512 kv[NV];
+    for (int i = 0; i < NV; ++i) kv[i] = _mm512_loadu_ps(k + j * ks + 16 * i);
+    for (int64_t r = 0; r < R; ++r) {
+      if (!rows[r].mask[j]) { s[r * L + j] = ninf; continue; }
+      const float* qr = rows[r].q;
+      __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qr));
+      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(kv[i], _mm512_loadu_ps(qr + 16 * i), acc);
+      float x = _mm512_reduce_add_ps(acc) * scale;
+      s[r * L + j] = x;
+      mx[r] = std::max(mx[r], x);
+    }
+  }
+  const __m512 vninf = _mm512_set1_ps(ninf);
+  for (int64_t r = 0; r < R; ++r) {
+    float* o = rows[r].out;
+    if (mx[r] == ninf) {  // a row that sees no key (a padding row): zeros, not NaN
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_setzero_ps());
+      continue;
+    }
+    float* sr = s + r * L;
+    __m512 m = _mm512_set1_ps(mx[r]), sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j += 16) {  // weights, in place; a masked key's is exactly 0
+      __mmask16 in = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+      __m512 x = _mm512_mask_loadu_ps(vninf, in, sr + j);
+      __mmask16 shown = _mm512_cmp_ps_mask(x, vninf, _CMP_NEQ_OQ);
+      __m512 p = _mm512_maskz_mov_ps(shown, exp16(_mm512_sub_ps(x, m)));
+      _mm512_mask_storeu_ps(sr + j, in, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    __m512 acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+      float pj = sr[j];
+      if (pj == 0.0f) continue;  // masked (or underflowed): its value row is not read
+      __m512 pv = _mm512_set1_ps(pj);
+      for (int i = 0; i < NV; ++i) acc[i] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(v + j * vs + 16 * i), acc[i]);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_mul_ps(acc[i], inv));
+  }
+}
+
+using AttendRows = void (*)(const Row*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float,
+                            float*, float*);
+
+// q (B, H, T, D), k and v (B, KVH, L, D) (any strides but the last), mask bool (T, L) or (B or 1, 1, T, L);
+// returns (B, T, H, D): the layout o_proj reads. H a multiple of KVH (grouped-query attention).
+at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                           double scale) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "small_attention: needs AVX-512");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "small_attention: 4-D q, k, v");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+              q.device().is_cpu(), "small_attention: fp32 CPU tensors");
+  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), KVH = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && KVH > 0 && H % KVH == 0,
+              "small_attention: k and v (B, KVH, L, D) with H a multiple of KVH");
+  TORCH_CHECK(D % 16 == 0 && D / 16 >= 1 && D / 16 <= 16 && (D / 16 & (D / 16 - 1)) == 0,
+              "small_attention: head_dim 16, 32, 64, 128 or 256");
+  at::Tensor m = mask.dim() == 2 ? mask.unsqueeze(0).unsqueeze(0) : mask;
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == T && m.size(3) == L &&
+              (m.size(0) == 1 || m.size(0) == B), "small_attention: a bool mask (T, L) or (B or 1, 1, T, L)");
+  m = m.expand({B, 1, T, L});
+  if (m.stride(3) != 1) m = m.contiguous();
+  at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  auto out = at::empty({B, T, H, D}, q.options());
+  AttendRows fn = nullptr;
+  switch (D / 16) {
+    case 1: fn = attend_rows<1>; break;
+    case 2: fn = attend_rows<2>; break;
+    case 4: fn = attend_rows<4>; break;
+    case 8: fn = attend_rows<8>; break;
+    case 16: fn = attend_rows<16>; break;
+  }
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  const bool* mp = m.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  // A task is (batch row, KV head, block of positions): the KV head's G query heads at TS positions, so
+  // each key is read once for all of them.
+  // With few (batch row, KV head) pairs, the positions are split further so that each thread gets about
+  // two equal tasks (3 KV heads on 2 threads would otherwise leave one idle a third of the time).
+  int64_t G = H / KVH, most = std::max<int64_t>(1, ROWS / G);
+  int64_t TB = std::max((T + most - 1) / most,
+                        std::min<int64_t>(T, (2 * at::get_num_threads() + B * KVH - 1) / (B * KVH)));
+  int64_t TS = (T + TB - 1) / TB;
+  TB = (T + TS - 1) / TS;
+  at::parallel_for(0, B * KVH * TB, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> s(G * TS * L), mx(G * TS);
+    std::vector<Row> rows(G * TS);
+    for (int64_t task = a; task < z; ++task) {
+      int64_t b = task / (KVH * TB), g = task / TB % KVH, t0 = task % TB * TS, nt = std::min(TS, T - t0);
+      int64_t R = 0;
+      for (int64_t h = g * G; h < (g + 1) * G; ++h)
+        for (int64_t t = t0; t < t0 + nt; ++t)
+          rows[R++] = {qp + b * qc.stride(0) + h * qc.stride(1) + t * qc.stride(2),
+                       mp + b * m.stride(0) + t * m.stride(2), op + ((b * T + t) * H + h) * D};
+      fn(rows.data(), R, kp + b * kc.stride(0) + g * kc.stride(1), kc.stride(2),
+         vp + b * vc.stride(0) + g * vc.stride(1), vc.stride(2), L, (float)scale, s.data(), mx.data());
+    }
+  });
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(eaglespec, m) {
   m.def("packed_pack(Tensor w, int nr) -> Tensor");
   m.def("packed_best_width() -> int", best_width);  // no tensor to dispatch on: a catch-all kernel
   m.def("packed_mm(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("small_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("packed_pack", pack);
   m.impl("packed_mm", packed_mm);
+  m.impl("small_attention", small_attention);
 }
 """
 
@@ -332,6 +488,11 @@ def _load() -> str | None:
     @torch.library.register_fake("eaglespec::packed_mm")
     def _(x, packed, n):
         return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("eaglespec::small_attention")
+    def _(q, k, v, mask, scale):
+        b, h, t, d = q.shape
+        return q.new_empty((b, t, h, d))
 
     @torch.library.register_fake("eaglespec::packed_pack")
     def _(w, nr):
@@ -404,7 +565,9 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
     """Swap every nn.Linear of `model` (the target's layers and LM head, or a draft head) for a
     PackedLinear, in place; with `fuse`, q/k/v and gate/up become one linear each (model.py runs them
     so; a head's training code reads q_proj & co. by name, so heads keep them apart). Returns how many
-    linears were swapped. The embedding (which an LM head may be tied to) stays as it is."""
+    linears were swapped. The embedding (which an LM head may be tied to) stays as it is. Its attention
+    modules switch to this library's attention kernel too, where that runs: the packed path is the
+    inference path, and a model's fp32 CPU inference is what both kernels are for."""
     swapped = 0
     for parent in list(model.modules()) if fuse else ():
         for fused, names in _FUSED.items():
@@ -419,4 +582,16 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
             if _linear(child):
                 setattr(parent, name, PackedLinear(child))
                 swapped += 1
+    if swapped and attention_available():
+        from .model import Attention
+        for m in model.modules():
+            if isinstance(m, Attention) and m.hd % 16 == 0 and m.hd <= 256:
+                m.small_attention = True
     return swapped
+
+
+def attention_available() -> bool:
+    """Whether the small-row attention kernel runs here: AVX-512 (it has no AVX2 version; elsewhere torch's
+    SDPA stays), and not turned off with EAGLESPEC_CPU_ATTENTION=0 (for A/B timing)."""
+    return (why_unavailable() is None and int(torch.ops.eaglespec.packed_best_width()) == 16
+            and os.environ.get("EAGLESPEC_CPU_ATTENTION", "1") != "0")

@@ -216,7 +216,8 @@ class Engine:
         # One cache for the engine's life: a compiled graph must not see its buffers replaced.
         self._ensure_cache(self.max_context + self._round_slack())
         mode, packed = self.compile_mode, self.packed_gemm
-        self._target_call = StaticCall(self._target_fn, model, mode, "target", packed, dynamic_t=packed)
+        self._target_call = StaticCall(self._target_fn, model, mode, "target", packed, dynamic_t=packed,
+                                       skip_guards=True)
         self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up", packed) if head is not None else None
         self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", packed) if head is not None else None
         self._move = compile_fn(self._move_fn, mode, packed) if mode is not None else self._move_fn

@@ -174,6 +174,8 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
+    small_attention = False  # set by cpugemm.pack_linears where its attention kernel runs (CPU fp32, AVX-512)
+
     def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
@@ -202,6 +204,11 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.write(self.layer_idx, cache_start, k, v, 0 if mask is None else mask.shape[-1])
+        if self.small_attention and mask is not None and mask.dtype == torch.bool and (not isinstance(t, int) or t <= 32):
+            # cpugemm's kernel for a few query rows (decoding, verification; a symbolic t is a verification
+            # size): it returns (b, t, heads, dim) already
+            y = torch.ops.eaglespec.small_attention(q, k, v, mask, self.hd ** -0.5)
+            return self.o_proj(y.reshape(b, t, self.n_heads * self.hd))
         gqa = self.n_kv != self.n_heads
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)

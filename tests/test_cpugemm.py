@@ -122,3 +122,88 @@ def test_a_compiled_packed_engine_verifies_every_size_with_one_graph(make_oracle
         want = eager.generate(input_ids=prompt, method="vanilla", max_new_tokens=20, temperature=0).token_ids
         got = engine.generate(input_ids=prompt, method="eagle", max_new_tokens=20, temperature=0).token_ids
         same_or_tie(model, prompt, got, want)
+
+
+# ---- the attention kernel (cpugemm's small_attention) --------------------------------------------------
+
+needs_attention = pytest.mark.skipif(cpugemm.why_unavailable() is not None or not cpugemm.attention_available(),
+                                     reason="the attention kernel needs AVX-512")
+
+
+def _sdpa(q, k, v, mask):
+    """torch's attention, in the kernel's output layout (b, t, heads, dim)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+
+def _cache(b, kv, length, d, slots=200):
+    """k, v as the engine reads them: a prefix view of a longer preallocated cache."""
+    return torch.randn(b, kv, slots, d)[:, :, :length], torch.randn(b, kv, slots, d)[:, :, :length]
+
+
+@needs_attention
+@pytest.mark.parametrize("b,h,kv,t,length,d", [(1, 9, 3, 1, 130, 64), (1, 9, 3, 16, 150, 64), (1, 4, 4, 3, 17, 32),
+                                               (3, 8, 2, 1, 64, 128), (2, 4, 1, 5, 40, 16), (1, 2, 1, 33, 60, 256)])
+def test_small_attention_equals_sdpa(b, h, kv, t, length, d):
+    """Tree masks (a shared prefix, then each node's ancestors), per-row lengths of a batch, grouped and
+    plain multi-head attention, every supported head size, the query as a transposed view."""
+    torch.manual_seed(b * 100 + t)
+    k, v = _cache(b, kv, length, d)
+    q = torch.randn(b, t, h, d).transpose(1, 2)
+    if b == 1:
+        ctx = length - t - 2
+        mask = torch.zeros(t, length, dtype=torch.bool)
+        mask[:, :ctx] = True
+        mask[:, ctx:ctx + t] = (torch.rand(t, t) < 0.5).tril() | torch.eye(t, dtype=torch.bool)
+    else:
+        lens = torch.randint(1, length + 1, (b,))
+        mask = (torch.arange(length)[None] < lens[:, None])[:, None, None, :].expand(b, 1, t, length)
+    got = torch.ops.eaglespec.small_attention(q, k, v, mask, d ** -0.5)
+    assert got.shape == (b, t, h, d)
+    torch.testing.assert_close(got, _sdpa(q, k, v, mask), atol=2e-6, rtol=1e-5)
+
+
+@needs_attention
+def test_small_attention_rows_depend_on_nothing_but_their_own_keys():
+    """Bit for bit: a query row's result is the same alone or among other rows (one token or a tree of
+    eight, one sequence or a batch), and with masked padding keys after its own. So plain decoding and
+    verification attend identically, and so do batched and one-at-a-time regeneration."""
+    torch.manual_seed(3)
+    k, v = _cache(4, 3, 96, 64)
+    q = torch.randn(4, 9, 8, 64)
+    mask = torch.ones(4, 1, 8, 96, dtype=torch.bool)
+    mask[..., 70:] = False
+    op = torch.ops.eaglespec.small_attention
+    full = op(q, k, v, mask, 0.125)
+    one = op(q[2:3, :, 5:6], k[2:3], v[2:3], mask[2:3, :, 5:6], 0.125)
+    assert torch.equal(one[0, 0], full[2, 5])
+    short = op(q[2:3, :, 5:6], k[2:3, :, :70], v[2:3, :, :70], mask[2:3, :, 5:6, :70], 0.125)
+    assert torch.equal(short[0, 0], full[2, 5])
+
+
+@needs_attention
+def test_small_attention_gives_zeros_for_a_row_that_sees_nothing_and_checks_its_inputs():
+    k, v = _cache(1, 2, 20, 32)
+    q = torch.randn(1, 4, 2, 32)
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1] = False
+    out = torch.ops.eaglespec.small_attention(q, k, v, mask, 0.2)
+    assert torch.equal(out[0, 1], torch.zeros(4, 32)) and out[0, 0].abs().sum() > 0
+    with pytest.raises(RuntimeError, match="head_dim"):
+        torch.ops.eaglespec.small_attention(q[..., :24], k[..., :24], v[..., :24], mask, 0.2)
+    with pytest.raises(RuntimeError, match="bool mask"):
+        torch.ops.eaglespec.small_attention(q, k, v, mask.float(), 0.2)
+
+
+@needs_attention
+def test_packing_switches_attention_to_the_kernel_and_it_compiles(make_oracle_pair):
+    """The packed engine's target and head attend with the kernel; compiled, the kernel is one opaque
+    call in the graph and gives the eager numbers."""
+    from eaglespec.model import Attention
+    model, head = make_oracle_pair()
+    engine = Engine(model, None, head)
+    assert all(m.small_attention for m in list(model.modules()) + list(engine.head.modules()) if isinstance(m, Attention))
+    torch._dynamo.reset()
+    k, v = _cache(1, 3, 50, 64)
+    q, mask = torch.randn(1, 9, 4, 64), torch.ones(4, 50, dtype=torch.bool)
+    fn = torch.compile(lambda q, k, v, m: torch.ops.eaglespec.small_attention(q, k, v, m, 0.125) * 2, fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v, mask), 2 * torch.ops.eaglespec.small_attention(q, k, v, mask, 0.125))

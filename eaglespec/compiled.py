@@ -121,19 +121,20 @@ class StaticCall:
     """
 
     def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = "", packed: bool = False,
-                 dynamic_t: bool = False, skip_guards: bool = False):
+                 dynamic_t: bool = False, skip_guards: bool = False, state=None):
         """dynamic_t: one graph for every t >= 2 (t = 1 keeps its own static graph), with the inputs' t
         at dim 1. Only where no GEMM needs a static row count, i.e. all run on cpugemm's packed op:
         then one graph replaces a graph per verification size, which a new process must each load.
 
         skip_guards: once a shape has run, later calls of it check only the guards that tell this
         function's graphs apart (torch's `skip_guard_eval_unsafe` stance). Only for a function whose
-        graph depends on nothing but its inputs and modules that stay as they are for the caller's
-        life (the target's forward; not the draft calls, which read the engine's tree settings)."""
+        graph depends on nothing but its inputs, modules that stay as they are for the caller's life,
+        and `state()`: a hashable summary of whatever else it reads (the draft calls read the engine's
+        top-k, which `bench` may change between methods), so that a new state is a new shape."""
         self.cache_owner, self.name = cache_owner, name
         self.compiled = compile_mode is not None
         self.dynamic_t = dynamic_t
-        self.skip_guards = skip_guards
+        self.skip_guards, self.state = skip_guards, state
         self._fn = compile_fn(fn, compile_mode, packed) if self.compiled else fn
         self._warm: set = set()  # the shapes this call has run (and so compiled) once
 
@@ -154,7 +155,7 @@ class StaticCall:
                     torch._dynamo.mark_dynamic(x, 0)
                 for x in inputs:
                     torch._dynamo.mark_dynamic(x, 1)
-            shape = 1 if t == 1 else "t" if self.dynamic_t else t
+            shape = (1 if t == 1 else "t" if self.dynamic_t else t, self.state() if self.state else None)
             if self.skip_guards and shape in self._warm:
                 # Why: evaluating the guards cost 1.1 ms a call of the target (each of its tensors is
                 # checked), 6 % of a decoding step; measured 1167 -> 52 us a call. The first call of each

@@ -218,8 +218,11 @@ class Engine:
         mode, packed = self.compile_mode, self.packed_gemm
         self._target_call = StaticCall(self._target_fn, model, mode, "target", packed, dynamic_t=packed,
                                        skip_guards=True)
-        self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up", packed) if head is not None else None
-        self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", packed) if head is not None else None
+        top_k = lambda: self.tree.draft_top_k  # noqa: E731 - all that the draft graphs read of the tree
+        self._catchup_call = StaticCall(self._catchup_fn, head, mode, "catch-up", packed, skip_guards=True,
+                                        state=top_k) if head is not None else None
+        self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", packed, skip_guards=True,
+                                       state=top_k) if head is not None else None
         self._move = compile_fn(self._move_fn, mode, packed) if mode is not None else self._move_fn
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None

@@ -98,3 +98,20 @@ def test_compiled_graphs_are_cached_for_the_next_process(tiny_checkpoint, tmp_pa
     assert first.get("fxgraph_cache_bypass", 0) <= most_bypassed and first.get("fxgraph_cache_miss", 0) >= 3, first
     assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"] + first.get("fxgraph_cache_hit", 0), second
     assert second.get("fxgraph_cache_miss", 0) == 0 and second.get("fxgraph_cache_bypass", 0) <= most_bypassed, second
+
+
+def test_a_warm_compiled_engine_follows_a_changed_draft_top_k(make_oracle_pair, same_or_tie):
+    """Warm calls skip re-checking guards (compiled.StaticCall): the draft graphs read the engine's top-k,
+    which `bench` changes between methods, so a new top-k must compile new graphs, not reuse the old."""
+    from dataclasses import replace
+    torch._dynamo.reset()
+    model, head = make_oracle_pair(noise=0.3)
+    compiled = Engine(model, head=head, tree=TreeConfig(total_tokens=8, top_k=4), max_context=256, compile="default")
+    eager = Engine(model, head=head)
+    prompt = [1, 5, 9, 2, 7]
+    want = eager.generate(input_ids=prompt, max_new_tokens=24, method="vanilla", ignore_eos=True).token_ids
+    for k in (4, 2, 4, 3):
+        compiled.tree = replace(compiled.tree, top_k=k)
+        got = compiled.generate(input_ids=prompt, max_new_tokens=24, method="eagle", ignore_eos=True)
+        same_or_tie(model, prompt, got.token_ids, want)
+        assert compiled._expand_call._warm and all(s[1] in (2, 3, 4) for s in compiled._expand_call._warm)

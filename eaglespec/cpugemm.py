@@ -1,4 +1,5 @@
-"""A few-row fp32 GEMM for x86 CPUs, for verifying a draft tree at close to the cost of one token.
+"""CPU kernels for decoding with few rows: a few-row fp32 GEMM for x86 CPUs, for verifying a draft tree
+at close to the cost of one token, and (AVX-512) the attention of a few query rows over a KV cache.
 
 Why: verification multiplies 1-32 rows by every weight of the target. With so few rows the weights
 stream from memory once and the arithmetic is small, so n rows should cost about what one row costs
@@ -18,9 +19,10 @@ It is a torch custom op (`torch.ops.eaglespec.packed_mm`), so torch.compile trea
 call and it works eagerly the same. Built once per machine with torch's C++ extension loader into the
 eaglespec cache (about 20 s); where it cannot be built (no compiler, no AVX2/FMA, not x86) the engine
 keeps nn.Linear, with one line saying so. The engine runs its target, its draft head and the draft
-LM-head rows on it (CPU, fp32). With every GEMM ours, its compiled graphs skip inductor's freezing,
-which was there to prepack inductor's own GEMMs: a new process then loads each graph from the FX
-graph cache in ~4 s instead of ~10 s.
+LM-head rows on it (CPU, fp32), and their attention on `small_attention` where the CPU has AVX-512
+(see the comment above its source: torch's CPU flash attention is built for long queries). With every
+GEMM ours, its compiled graphs skip inductor's freezing, which was there to prepack inductor's own
+GEMMs: a new process then loads each graph from the FX graph cache in ~4 s instead of ~10 s.
 """
 from __future__ import annotations
 

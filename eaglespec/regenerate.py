@@ -544,7 +544,8 @@ def new_manifest(args, mix, convs: list[Conversation], report, target, folder) -
 
 
 def session_record(regen: Regenerator, args, elapsed: float, mode) -> dict:
-    """One line of the manifest's history: how long this process ran and how fast it wrote."""
+    """One line of the manifest's history: how long this process ran (wall time, pauses included) and how
+    fast it wrote."""
     return {
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - elapsed)),
         "seconds": round(elapsed, 1), "new_tokens": regen.new_tokens,
@@ -603,9 +604,14 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     entries = plan_entries(out, old, plan)
     manifest["shards"] = entries
-    manifest["sessions"] = (old or {}).get("sessions", [])
+    # this process's line is rewritten with every shard, so that a run that is killed (the usual end of
+    # a long background run) still records how long it ran and how fast it wrote
+    session: dict = {}
+    manifest["sessions"] = (old or {}).get("sessions", []) + [session]
+    start = time.perf_counter()
 
     def save(complete: bool = False):
+        session.update(session_record(regen, args, time.perf_counter() - start, mode))
         manifest.update(totals([e for e in entries if e["done"]]), complete=complete)
         write_json(out / "manifest.json", manifest)
 
@@ -614,10 +620,7 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     n_done = sum(e["done"] for e in entries)
     if n_done:
         print(f"resuming: {n_done} of {len(entries)} shards already in {out}")
-    start = time.perf_counter()
     answer_shards(regen, out, entries, plan, mix, args.seed, len(convs), save, on_shard)
-    session = session_record(regen, args, time.perf_counter() - start, mode)
-    manifest["sessions"].append(session)
     save(all(e["done"] for e in entries))
     report.skipped.update(manifest["skipped"])
     print(report.summary(manifest["records_written"], manifest["conversations_written"])

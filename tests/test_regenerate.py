@@ -229,12 +229,17 @@ def test_resume_after_a_kill_loses_and_duplicates_nothing(tiny, chats, tmp_path)
     with pytest.raises(Killed):
         run_regenerate(build_parser().parse_args([str(a) for a in argv(tiny, chats, out)]), on_shard=kill_after_two)
     assert len(list(out.glob("shard-*.jsonl.gz"))) == 2
+    killed = json.loads((out / "manifest.json").read_text())["sessions"]  # the killed process's line is kept
+    assert len(killed) == 1 and killed[0]["new_tokens"] > 0 and killed[0]["seconds"] > 0
     (out / "shard-00005.jsonl.gz.tmp").write_bytes(b"half a shard")  # what a kill mid-write leaves
     stamps = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.jsonl.gz")}
     assert cli(*argv(tiny, chats, out)) == 0
     assert all((out / n).stat().st_mtime_ns == s for n, s in stamps.items())  # finished shards were kept
     assert read_folder(out) == want
-    assert json.loads((out / "manifest.json").read_text())["records_written"] == 23
+    resumed = json.loads((out / "manifest.json").read_text())
+    assert resumed["records_written"] == 23
+    assert len(resumed["sessions"]) == 2 and resumed["sessions"][0] == killed[0]
+    assert sum(s["new_tokens"] for s in resumed["sessions"]) >= resumed["new_tokens"]  # the lost shard was redone
 
     # a larger --max-conversations continues the run: only the old plan's last shard is redone
     small, big = tmp_path / "grow", tmp_path / "big"

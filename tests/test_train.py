@@ -263,6 +263,18 @@ def test_resume_after_a_kill_continues_on_the_same_curve(tiny, chats, tmp_path, 
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
 
 
+def test_compiled_features_equal_eager_ones(tiny, chats, tmp_path):
+    """`features` compiles the target's forward by default (one dynamic-shape graph over padded batches of
+    many lengths); what it stores must be what the eager forward stores, to fp16 rounding."""
+    argv = ["--model", tiny, "--data", chats, "--shard-size", 16, "--batch-tokens", 512, "--max-conversations", 16]
+    assert cli("features", *argv, "--out", tmp_path / "eager", "--eager") == 0
+    assert cli("features", *argv, "--out", tmp_path / "compiled", "--compile") == 0
+    a = load_file(str(tmp_path / "eager" / "shard-00000.safetensors"))
+    b = load_file(str(tmp_path / "compiled" / "shard-00000.safetensors"))
+    assert torch.equal(a["input_ids"], b["input_ids"]) and len(set(a["offsets"].diff().tolist())) > 3
+    assert torch.allclose(a["features"].float(), b["features"].float(), atol=2e-3, rtol=2e-3)
+
+
 def test_features_then_train_from_disk(tiny, chats, tmp_path, trained, capsys):
     feats = tmp_path / "feats"
     argv = ["features", "--model", tiny, "--data", chats, "--out", feats, "--shard-size", 10, "--batch-tokens", 512]

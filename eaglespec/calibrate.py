@@ -16,7 +16,7 @@ from .cli import add_engine_args, build_engine
 def add_cli(sub) -> None:
     p = sub.add_parser("calibrate", help="measure verification cost T(n) and draft cost on this machine (cached)")
     p.add_argument("--sizes", default=None,
-                   help="comma-separated tree sizes n to time (default: 1,2,4,8,12,16,24,32)")
+                   help="comma-separated tree sizes n to time (default: 1,2,3,4,6,8,12,16,24,32)")
     p.add_argument("--reps", type=int, default=15, help="timed repetitions per size; the median is kept")
     p.add_argument("--context", type=int, default=256, help="cached prefix length the calls run after (tokens)")
     p.add_argument("--json", action="store_true", help="print the table as one JSON object")

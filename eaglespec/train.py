@@ -973,7 +973,7 @@ def schedule(args, data: RunData, aux, world: int, log) -> Schedule:
     plan = {"epochs": args.epochs, "total_steps": total_steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
     if aux is not None:  # another unroll depth is another objective: a resume keeps it (or --replan)
         plan["ttt_steps"] = args.ttt_steps
-    log(f"train: {len(data.train_rows):,} conversations ({sum(lengths):,} tokens), held-out {len(data.held_rows):,} "
+    log(f"train: {len(data.train_rows):,} records ({sum(lengths):,} tokens), held-out {len(data.held_rows):,} "
         f"(evaluating {len(data.eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= "
         f"{args.batch_tokens} tokens; {world} process(es) on {data.train_src.device}")
     return Schedule(epoch_batches, steps_per_epoch, total_steps, per_step, plan,
@@ -1199,7 +1199,8 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
         f"- Target: {args.model or 'default (SmolLM2-135M-Instruct)'}",
         f"- Data: {data_desc}",
         f"- Loaded: {data_summary.removeprefix('data: ')}",
-        f"- Split: {len(train_rows):,} train conversations ({train_tokens:,} tokens), {len(held_rows):,} held out "
+        # rows are records: a long chat split into parts is several, and the split keeps a chat's parts together
+        f"- Split: {len(train_rows):,} train records ({train_tokens:,} tokens), {len(held_rows):,} held out "
         f"(fraction {args.held_out}, seed {args.seed}); {len(eval_rows)} evaluated",
         f"- Steps: {state['step']:,} of {total_steps:,} ({args.epochs} epoch(s), {world} process(es) x grad-accum "
         f"{args.grad_accum}, <= {args.batch_tokens} padded tokens per micro-batch)",

@@ -312,7 +312,7 @@ def test_features_then_train_from_disk(tiny, chats, tmp_path, trained, capsys):
     assert cli("train", "--features-dir", feats, "--out", small, "--batch-tokens", 384, "--seed", 1, "--max-steps", 2,
                "--max-conversations", 10, "--model", tiny) == 0
     printed = capsys.readouterr().out
-    assert "training on the first 10 train rows" in printed and "train: 10 conversations" in printed
+    assert "training on the first 10 train rows" in printed and "train: 10 records" in printed
     assert read_jsonl(small / "metrics.jsonl")[-1]["tokens"] == read_jsonl(out / "metrics.jsonl")[-1]["tokens"]
 
 

@@ -40,6 +40,10 @@ def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
     t.add_argument("--total-tokens", type=int, default=None,
                    help="dynamic, auto size: the most draft nodes a round may verify; fixed size: same as "
                         "--tree-size N (default: 16)")
+    t.add_argument("--ngram", type=int, default=None,
+                   help="dynamic tree: also offer, each round, up to N tokens that followed the latest earlier "
+                        "occurrence of the context's last 2-4 tokens (prompt lookup); 0 = the head's drafts only "
+                        "(default: 4)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +59,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def tree_config(args):
     from .tree import TreeConfig
     kw = {"kind": args.tree}
-    for name in ("top_k", "depth", "total_tokens"):
+    for name in ("top_k", "depth", "total_tokens", "ngram"):
         v = getattr(args, "top_k_draft" if name == "top_k" else name, None)
         if v is not None:
             kw[name] = v

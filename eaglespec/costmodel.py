@@ -227,15 +227,19 @@ class TreePolicy:
             d += 1
         return max(1, min(self.max_depth, d))
 
-    def _curves(self, scores: list[float], depths: list[int], drafted: int) -> list[list[float]]:
-        """curves[d][m]: expected tokens from verifying the m best candidates of depth <= d (root's 1 included)."""
+    def _curves(self, scores: list[float], depths: list[int], drafted: int, free=frozenset()) -> list[list[float]]:
+        """curves[d][m]: expected tokens from verifying the m best candidates of depth <= d (root's 1 included).
+        `free` candidates (the n-gram chain's) need no drafting depth and carry calibrated scores of their own."""
         order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable: parents first on ties
         self._order = order
         curves = [[1.0]]
         for dmax in range(1, drafted + 1):
             mass, cum = 1.0, [1.0]
             for i in order:
-                if depths[i] <= dmax:
+                if i in free:
+                    mass += math.exp(scores[i])
+                    cum.append(mass)
+                elif depths[i] <= dmax:
                     mass += self.factor(depths[i]) * math.exp(scores[i])
                     cum.append(mass)
             curves.append(cum)
@@ -246,11 +250,13 @@ class TreePolicy:
         fits = [b for b in self.buckets if b - 1 < len(cum)] or [self.buckets[0]]
         return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.table.t_verify(b)), -b) for b in fits)
 
-    def choose(self, scores: list[float], depths: list[int], drafted: int) -> tuple[int, list[int]]:
+    def choose(self, scores: list[float], depths: list[int], drafted: int,
+               free=frozenset()) -> tuple[int, list[int]]:
         """Given every candidate's cumulative log-prob and depth (host lists), pick the verified size n
         (a bucket, root included) and the kept candidates (ascending, a connected tree). Also learns,
-        in hindsight, which depth would have paid best this round, for the next round's drafting."""
-        curves = self._curves(scores, depths, drafted)
+        in hindsight, which depth would have paid best this round, for the next round's drafting.
+        free: candidates that cost no drafting (the n-gram chain's), scored as calibrated log-probs."""
+        curves = self._curves(scores, depths, drafted, free)
         # drafting is already paid for: only the verification cost differs between sizes
         _, neg_n = self._best(curves[drafted], self.table.t_draft(drafted))
         n = -neg_n

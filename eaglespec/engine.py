@@ -18,6 +18,7 @@ import torch
 from .head import EagleHead, load_head, random_eagle3_head, random_head
 from .loading import DEFAULT_MODEL, load_target, load_tokenizer
 from .model import Transformer
+from .ngram import NgramProposer, attach_chain
 from .sampling import SamplingParams, next_token
 from .compiled import StaticCall, compile_fn, configure_inductor, default_mode
 from .costmodel import AUTO_BUCKETS, TreePolicy
@@ -226,6 +227,7 @@ class Engine:
         self._move = compile_fn(self._move_fn, mode, packed) if mode is not None else self._move_fn
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None
+        self._ngram: NgramProposer | None = None
 
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,
@@ -340,7 +342,7 @@ class Engine:
     def _round_slack(self) -> int:
         """Cache slots a round may use beyond the committed tokens (tree, padding, catch-up)."""
         t = self.tree
-        return t.max_nodes + t.max_depth * t.draft_top_k * t.draft_top_k + 2 * (t.max_depth + 2) + max(AUTO_BUCKETS)
+        return t.max_nodes + t.max_depth * t.draft_top_k * t.draft_top_k + 2 * (self._pad + 1) + max(AUTO_BUCKETS)
 
     def _ensure_cache(self, n: int):
         n = -(-n // 256) * 256
@@ -380,7 +382,7 @@ class Engine:
     @property
     def _pad(self) -> int:
         """Accepted tokens per round, at most (the catch-up's fixed length)."""
-        return self.tree.max_depth + 1
+        return self.tree.max_accept + 1
 
     def _catchup(self, new: list[int], feats: torch.Tensor, path: torch.Tensor, cur: int):
         """Feed the accepted (feature, next token) pairs to the head; return the root's hidden and top-k."""
@@ -402,17 +404,49 @@ class Engine:
         scores, idx = self._draft_logprobs(root_hidden[None]).topk(self.tree.draft_top_k, dim=-1)
         return root_hidden, scores[0], self._to_target_ids(idx[0])
 
-    def _choose_tree(self, root: int, cands, depth: int) -> Tree:
-        """The verified tree: fixed for static trees and fixed sizes; the cost model's pick for auto."""
+    def _choose_tree(self, root: int, cands, depth: int, chain: list[int]) -> Tree:
+        """The verified tree: fixed for static trees and fixed sizes; the cost model's pick for auto.
+        `chain`: the n-gram proposer's continuation, attached below the root beside the head's nodes."""
+        nodes, alone = [], []
+        if chain:
+            cands, nodes, alone = attach_chain(cands, chain, self._ngram.accept)
+        free = frozenset(i for i, a in zip(nodes, alone) if a)
         if cands.fixed is not None:
             keep = cands.fixed
         elif self.policy is not None:
             scores, depths = cands.scores.tolist(), cands.depths.tolist()  # the round's one read while drafting
-            _, keep = self.policy.choose(scores, depths, depth)
-            self._kept = ([scores[i] for i in keep], [depths[i] for i in keep])
+            _, keep = self.policy.choose(scores, depths, depth, free)
+            mine = [i for i in keep if i not in free]  # the policy calibrates the head's nodes only
+            self._kept = ([scores[i] for i in mine], [depths[i] for i in mine])
         else:
-            keep = top_by_score(cands, min(self.tree.total_tokens, len(cands)))
+            keep = top_by_score(cands, min(self.tree.total_tokens, len(cands))).tolist()
+        self._round = (list(keep), nodes, free)
         return select_tree(torch.tensor(root), cands, keep)
+
+    def _learn(self, path: list[int]) -> None:
+        """After verification: calibrate the tree policy on the head's nodes and the n-gram proposer on
+        the chain's own. path: the accepted tree nodes, root first (tree node j > 0 is candidate keep[j - 1])."""
+        keep, nodes, free = self._round
+        accepted = [keep[j - 1] for j in path[1:]]
+        if self.policy is not None:
+            # the head's nodes on the path come first: a node the head drafted has a drafted parent
+            own = next((k for k, c in enumerate(accepted) if c in free), len(accepted))
+            self.policy.observe(*self._kept, own)
+        if free:
+            kept, hit = set(keep), set(accepted)
+            seen, parent_ok = [], True
+            for d, c in enumerate(nodes, 1):
+                if not (parent_ok and c in kept):
+                    break
+                if c in free:
+                    seen.append((d, c in hit))
+                parent_ok = c in hit
+            self._ngram.observe([d for d, _ in seen], [ok for _, ok in seen])
+
+    def reset_learning(self) -> None:
+        """Forget what the tree policy and the n-gram proposer learned (a replayable run starts fresh)."""
+        self.policy = None
+        self._ngram = None
 
     def _get_policy(self) -> TreePolicy | None:
         if not (self.tree.auto and self.tree.kind == "dynamic"):
@@ -424,6 +458,14 @@ class Engine:
             self.policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
         return self.policy
 
+    def _get_ngram(self) -> NgramProposer | None:
+        if not (self.tree.ngram and self.tree.kind == "dynamic"):
+            return None
+        limit = self.tree.ngram  # within the catch-up's fixed length (_pad = tree.max_accept + 1)
+        if self._ngram is None or self._ngram.max_len != limit:
+            self._ngram = NgramProposer(limit)
+        return self._ngram
+
     def auto_buckets(self) -> tuple[int, ...]:
         return tuple(b for b in AUTO_BUCKETS if b <= self.tree.max_nodes) or (self.tree.max_nodes,)
 
@@ -433,10 +475,13 @@ class Engine:
         dev = self.device
         policy = self._get_policy()
         drafter = Drafter(self._expand_call, self.tree)
+        ngram = self._get_ngram()
         feats, logits = self._prefill(ids, timers)
         root = next_token(logits, params, gen)
         yield [root]
         t0 = time.perf_counter()
+        if ngram is not None:
+            ngram.reset(ids + [root])
         root_hidden, root_scores, root_ids = self._head_prefill(ids, root, feats)
         cur = len(ids)
         timers.draft += time.perf_counter() - t0
@@ -444,7 +489,8 @@ class Engine:
             t0 = time.perf_counter()
             depth = policy.depth() if policy is not None else self.tree.max_depth
             cands = drafter.draft(root_hidden, root_scores, root_ids, cur, depth)
-            tree = self._choose_tree(root, cands, depth)
+            chain = ngram.propose(self.tree.ngram) if ngram is not None else []
+            tree = self._choose_tree(root, cands, depth, chain)
             _sync(dev)
             t1 = time.perf_counter()
             n = len(tree)
@@ -464,8 +510,7 @@ class Engine:
                 dst[accepted:] += n
                 self._move(cur + src, cur + dst)
             t2 = time.perf_counter()
-            if policy is not None:
-                policy.observe(*self._kept, accepted - 1)
+            self._learn(path)
             timers.draft += t1 - t0
             timers.verify += t2 - t1
             timers.forwards += 1
@@ -476,6 +521,8 @@ class Engine:
             path_t = torch.tensor(path + [0] * (self._pad - accepted), device=dev)
             root_hidden, root_scores, root_ids = self._catchup(new, f, path_t, cur)
             root, cur = bonus, cur + accepted
+            if ngram is not None:
+                ngram.extend(new)
             timers.draft += time.perf_counter() - t0
 
     # ---- warm-up and calibration -------------------------------------------------------------------

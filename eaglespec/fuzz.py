@@ -233,7 +233,7 @@ class Engines:
         reset a case's trees would depend on the cases before it and its JSON would not replay it."""
         eos = self.base_eos | ({case.extra_eos} if case.extra_eos is not None else set())
         engines = [self.plain, self.eagle(case)]
-        engines[1].policy = None
+        engines[1].reset_learning()
         for e in engines:
             e.eos_ids = eos
         try:
@@ -282,7 +282,7 @@ def random_tree(rng: random.Random, candidates: int) -> dict:
         kind = "chain"
     if kind == "dynamic":
         tree = {"kind": kind, "top_k": rng.randint(1, min(5, candidates)), "depth": rng.randint(1, 6),
-                "total_tokens": rng.randint(1, 20)}
+                "total_tokens": rng.randint(1, 20), "ngram": rng.choice((0, 1, 2, 4, 8))}
         if rng.random() < AUTO_SHARE:
             tree["auto"] = True
         return tree

@@ -27,6 +27,7 @@ class TreeConfig:
     depth: int = 5             # the deepest a round may draft
     total_tokens: int = 16     # draft nodes kept, root excluded (dynamic, fixed size)
     auto: bool = False         # dynamic only: size and depth chosen each round by the cost model
+    ngram: int = 4             # dynamic only: longest n-gram (prompt-lookup) chain offered per round, 0 = off
 
     def __post_init__(self):
         if self.kind not in ("dynamic", "static", "chain"):
@@ -35,6 +36,8 @@ class TreeConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"tree {name} must be an integer >= 1, got {v}")
+        if not isinstance(self.ngram, int) or isinstance(self.ngram, bool) or self.ngram < 0:
+            raise ValueError(f"tree ngram must be an integer >= 0, got {self.ngram}")
 
     def static_paths(self) -> list[list[int]]:
         if self.kind == "chain":
@@ -53,6 +56,11 @@ class TreeConfig:
         if self.kind == "dynamic":
             return self.depth
         return max(len(p) for p in self.static_paths())
+
+    @property
+    def max_accept(self) -> int:
+        """The deepest node a round may verify: the head's depth, or the n-gram chain's length."""
+        return max(self.max_depth, self.ngram if self.kind == "dynamic" else 0)
 
     @property
     def max_nodes(self) -> int:

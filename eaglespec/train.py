@@ -118,6 +118,9 @@ def add_evaluate_cli(sub) -> None:
     e.add_argument("--eval-conversations", type=int, default=40, help="held-out conversations evaluated")
     e.add_argument("--seed", type=int, default=0, help="the split's seed (train's --seed)")
     e.add_argument("--ttt-steps", type=int, default=7, metavar="K", help="eagle3 heads: the loss's unroll depth")
+    e.add_argument("--answer-tokens", type=int, default=None, metavar="N",
+                   help="score only the first N tokens of each assistant answer (a benchmark of N new tokens sees "
+                        "those; long answers' repetitive tails are easier) (default: every token)")
     e.add_argument("--json", default=None, metavar="PATH", help="also write the metrics to PATH (default: print only)")
     p.set_defaults(func=run_evaluate, parser=p)
 
@@ -820,10 +823,34 @@ def resumed_head(args, target, ckpt: Path, out: Path, fresh, data_fp, plan, per_
     return head, saved
 
 
+def first_of_each_answer(amask: torch.Tensor, n: int) -> torch.Tensor:
+    """amask (B, T) bool, True on assistant tokens: the same, kept only on each answer's first n tokens."""
+    count = amask.long().cumsum(1)
+    starts = amask & ~F.pad(amask, (1, 0))[:, :-1]
+    base = torch.where(starts, count, 0).cummax(1).values  # the count at the current answer's first token
+    return amask & (count - base < n)
+
+
+class FirstAnswerTokens:
+    """A batch source whose assistant masks keep only each answer's first n tokens (what `evaluate` scores)."""
+
+    def __init__(self, src, n: int):
+        self.src, self.n, self.lengths = src, n, src.lengths
+
+    def memo(self, idx):
+        return self.src.memo(idx)
+
+    def batch(self, idx):
+        ids, amask, feats = self.src.batch(idx)
+        return ids, first_of_each_answer(amask, self.n), feats
+
+
 def run_evaluate(args) -> int:
     """The held-out split of --features-dir / --data, as `train` makes it, scored for --head: a head trained
     on one corpus is measured on another's held-out text (the ablation's common yardstick)."""
     check_positive(eval_conversations=args.eval_conversations, max_len=args.max_len, ttt_steps=args.ttt_steps)
+    if args.answer_tokens is not None:
+        check_positive(answer_tokens=args.answer_tokens)
     store = FeatureStore(args.features_dir) if args.features_dir else None
     if store is not None and args.model is None and store.manifest.get("model") not in (None, "default"):
         args.model = store.manifest["model"]
@@ -852,6 +879,8 @@ def run_evaluate(args) -> int:
     else:
         src = InLoopSource([examples[i] for i in rows], target, aux_layers=aux)
     batches = make_batches(src.lengths, max(max(src.lengths), args.batch_tokens // 4), args.seed, 999_999)
+    if args.answer_tokens:
+        src = FirstAnswerTokens(src, args.answer_tokens)
     head = head.to(device=device, dtype=torch.float32)
     vocab = None if head.draft_ids is None else (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
@@ -861,9 +890,11 @@ def run_evaluate(args) -> int:
     else:
         # the weights only combine the reported loss; the accuracies do not depend on them
         sums = evaluate(head, target, src, batches, (1.0, 0.1), autocast, vocab=vocab)
-    res = {"head": str(args.head), "data": desc, "conversations": len(rows), **eval_metrics(sums),
+    res = {"head": str(args.head), "data": desc, "conversations": len(rows), "answer_tokens": args.answer_tokens,
+           **eval_metrics(sums),
            "seconds": round(time.perf_counter() - t0, 1)}
-    print(f"held-out ({len(rows)} conversations, {res['tokens']:,} positions of {desc}): top1 {res['top1']:.3f} "
+    where = f"the first {args.answer_tokens} tokens of each answer, " if args.answer_tokens else ""
+    print(f"held-out ({len(rows)} conversations, {where}{res['tokens']:,} positions of {desc}): top1 {res['top1']:.3f} "
           f"top3 {res['top3']:.3f} " + " ".join(f"d{k} {res[f'top1_depth{k}']:.3f}" for k in range(2, EVAL_DEPTHS + 1)))
     if args.json:
         Path(args.json).expanduser().write_text(json.dumps(res, indent=1) + "\n")

@@ -376,7 +376,15 @@ def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny
     assert cli("evaluate", "--model", tiny, "--head", rnd, "--data", chats, "--batch-tokens", 384, "--seed", 1,
                "--eval-conversations", 32, "--json", out) == 0
     assert json.loads(out.read_text())["top1"] < got["top1"]
+    # --answer-tokens: the same head on each answer's first 4 tokens only: fewer positions, other numbers
+    assert cli("evaluate", "--model", tiny, "--head", trained / "head", "--data", chats, "--batch-tokens", 384,
+               "--seed", 1, "--eval-conversations", 32, "--answer-tokens", 4, "--json", out) == 0
+    first = json.loads(out.read_text())
+    assert first["answer_tokens"] == 4 and 0 < first["tokens"] < got["tokens"]
+    assert "first 4 tokens of each answer" in capsys.readouterr().out
     # bad input: one line, exit 2
+    assert cli("evaluate", "--model", tiny, "--head", trained / "head", "--data", chats, "--answer-tokens", 0) == 2
+    assert "--answer-tokens must be >= 1" in capsys.readouterr().err
     capsys.readouterr()
     assert cli("evaluate", "--model", tiny, "--head", tmp_path / "nope", "--data", chats) == 2
     err = capsys.readouterr().err.strip()
@@ -396,3 +404,11 @@ def test_init_head_fine_tunes_a_trained_head(trained, tiny, chats, tmp_path, cap
     assert cli(*common(tiny, chats, tmp_path / "ft3", "--init-head", trained / "head", "--arch", "eagle3")) == 2
     err = capsys.readouterr().err.strip()
     assert "--init-head" in err and len(err.splitlines()) == 1
+
+
+def test_first_of_each_answer_keeps_each_answers_first_tokens():
+    from eaglespec.train import first_of_each_answer
+    m = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 1, 1], [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    want = torch.tensor([[0, 1, 1, 0, 0, 0, 1, 1, 0, 0], [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(first_of_each_answer(m, 2), want)
+    assert torch.equal(first_of_each_answer(m, 99), m)

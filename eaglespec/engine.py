@@ -407,14 +407,15 @@ class Engine:
     def _choose_tree(self, root: int, cands, depth: int, chain: list[int]) -> Tree:
         """The verified tree: fixed for static trees and fixed sizes; the cost model's pick for auto.
         `chain`: the n-gram proposer's continuation, attached below the root beside the head's nodes."""
-        nodes, alone = [], []
+        nodes, alone, host = [], [], None
         if chain:
-            cands, nodes, alone = attach_chain(cands, chain, self._ngram.accept)
+            cands, nodes, alone, host = attach_chain(cands, chain, self._ngram.accept)
         free = frozenset(i for i, a in zip(nodes, alone) if a)
         if cands.fixed is not None:
             keep = cands.fixed
         elif self.policy is not None:
-            scores, depths = cands.scores.tolist(), cands.depths.tolist()  # the round's one read while drafting
+            # the round's one read while drafting (attach_chain has done it when there is a chain)
+            scores, depths = host or (cands.scores.tolist(), cands.depths.tolist())
             _, keep = self.policy.choose(scores, depths, depth, free)
             mine = [i for i in keep if i not in free]  # the policy calibrates the head's nodes only
             self._kept = ([scores[i] for i in mine], [depths[i] for i in mine])
@@ -489,7 +490,7 @@ class Engine:
             t0 = time.perf_counter()
             depth = policy.depth() if policy is not None else self.tree.max_depth
             cands = drafter.draft(root_hidden, root_scores, root_ids, cur, depth)
-            chain = ngram.propose(self.tree.ngram) if ngram is not None else []
+            chain = ngram.propose() if ngram is not None else []
             tree = self._choose_tree(root, cands, depth, chain)
             _sync(dev)
             t1 = time.perf_counter()

@@ -49,13 +49,13 @@ class NgramProposer:
                 if i >= n:
                     after[tuple(ctx[i - n:i])] = i
 
-    def propose(self, limit: int) -> list[int]:
-        """What followed the latest earlier occurrence of the longest matching suffix (≤ limit tokens)."""
+    def propose(self) -> list[int]:
+        """What followed the latest earlier occurrence of the longest matching suffix (≤ max_len tokens)."""
         ctx = self.tokens
         for n in range(min(MAX_N, len(ctx)), MIN_N - 1, -1):
             j = self.after.get(tuple(ctx[-n:]))
             if j is not None:
-                return ctx[j:j + min(limit, self.max_len)]
+                return ctx[j:j + self.max_len]
         return []
 
     def observe(self, depths: list[int], accepted: list[bool]) -> None:
@@ -65,12 +65,14 @@ class NgramProposer:
             self.accept[d] += EMA * (float(ok) - self.accept[d])
 
 
-def attach_chain(cands: Candidates, chain: list[int], rates: list[float]) -> tuple[Candidates, list[int], list[bool]]:
+def attach_chain(cands: Candidates, chain: list[int], rates: list[float]):
     """The candidates with `chain` attached below the root. A chain token the head also drafted under
     the same parent is that node (siblings must carry distinct tokens): it keeps the head's score. A
     token only the chain proposes becomes a new node scored as its parent's score + log(rate at its
     depth), i.e. P(parent accepted) x P(this token | parent accepted). Returns (candidates, the chain's
-    candidate indices, whether each of those is the chain's alone).
+    candidate indices, whether each of those is the chain's alone, and the candidates' scores and depths
+    as host lists: the policy needs them, and reading them back from the new tensors would be a second
+    host read in the round).
 
     Scores stay non-increasing from parent to child, and new nodes come after their parents, so a
     stable sort by score still keeps any prefix connected."""
@@ -92,4 +94,4 @@ def attach_chain(cands: Candidates, chain: list[int], rates: list[float]) -> tup
     dev = cands.tokens.device
     out = Candidates(torch.tensor(tokens, device=dev), torch.tensor(parents, device=dev),
                      torch.tensor(depths, device=dev), torch.tensor(scores, device=dev, dtype=cands.scores.dtype))
-    return out, nodes, alone
+    return out, nodes, alone, (scores, depths)

@@ -848,9 +848,8 @@ class FirstAnswerTokens:
 def run_evaluate(args) -> int:
     """The held-out split of --features-dir / --data, as `train` makes it, scored for --head: a head trained
     on one corpus is measured on another's held-out text (the ablation's common yardstick)."""
-    check_positive(eval_conversations=args.eval_conversations, max_len=args.max_len, ttt_steps=args.ttt_steps)
-    if args.answer_tokens is not None:
-        check_positive(answer_tokens=args.answer_tokens)
+    check_positive(eval_conversations=args.eval_conversations, max_len=args.max_len, ttt_steps=args.ttt_steps,
+                   answer_tokens=args.answer_tokens)
     store = FeatureStore(args.features_dir) if args.features_dir else None
     if store is not None and args.model is None and store.manifest.get("model") not in (None, "default"):
         args.model = store.manifest["model"]

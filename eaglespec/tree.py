@@ -32,12 +32,10 @@ class TreeConfig:
     def __post_init__(self):
         if self.kind not in ("dynamic", "static", "chain"):
             raise ValueError(f"tree kind must be dynamic, static or chain, got '{self.kind}'")
-        for name in ("top_k", "depth", "total_tokens"):
+        for name, low in (("top_k", 1), ("depth", 1), ("total_tokens", 1), ("ngram", 0)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"tree {name} must be an integer >= 1, got {v}")
-        if not isinstance(self.ngram, int) or isinstance(self.ngram, bool) or self.ngram < 0:
-            raise ValueError(f"tree ngram must be an integer >= 0, got {self.ngram}")
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"tree {name} must be an integer >= {low}, got {v}")
 
     def static_paths(self) -> list[list[int]]:
         if self.kind == "chain":

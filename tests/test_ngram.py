@@ -20,16 +20,18 @@ def test_proposes_what_followed_the_latest_longest_match():
     p.reset([5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 5, 6, 7])
     # suffix (5, 6, 7) occurred at 0..2, followed by 8 9 1 6; the 2-gram (6, 7) also after 1 (-> 3 4),
     # but the longer match wins
-    assert p.propose(4) == [8, 9, 1, 6]
-    assert p.propose(2) == [8, 9]
+    assert p.propose() == [8, 9, 1, 6]
+    short = NgramProposer(max_len=2)
+    short.reset(p.tokens)
+    assert short.propose() == [8, 9]
     p.extend([2])                     # (7, 2) never occurred
-    assert p.propose(4) == []
+    assert p.propose() == []
     p.reset([1, 2, 3, 1, 2])          # the suffix itself is not a match for itself
-    assert p.propose(4) == [3, 1, 2]  # ends at the context's end: shorter than asked
+    assert p.propose() == [3, 1, 2]  # ends at the context's end: shorter than asked
     p.reset([1, 2])
-    assert p.propose(4) == []
+    assert p.propose() == []
     p.reset([9, 1, 9])                # a 1-token match is not used
-    assert p.propose(4) == []
+    assert p.propose() == []
 
 
 def test_chain_acceptance_is_calibrated_per_depth():
@@ -47,15 +49,16 @@ def test_the_chain_reuses_the_heads_nodes_and_keeps_any_prefix_connected():
     # the head drafted 10, 11 under the root and 12 under 10
     c = cands([10, 11, 12], [-1, -1, 0], [1, 1, 2], [-0.5, -1.0, -2.0])
     rates = [None, 0.9, 0.5, 0.25]
-    out, nodes, alone = attach_chain(c, [10, 13, 14], rates)
+    out, nodes, alone, host = attach_chain(c, [10, 13, 14], rates)
     assert nodes == [0, 3, 4] and alone == [False, True, True]  # 10 is the head's node 0; 13, 14 are new
     assert out.tokens.tolist() == [10, 11, 12, 13, 14]
     assert out.parents.tolist() == [-1, -1, 0, 0, 3]
     assert out.depths.tolist() == [1, 1, 2, 2, 3]
+    assert host[0] == pytest.approx(out.scores.tolist()) and host[1] == out.depths.tolist()  # the policy's host copy
     # the head's node keeps its score; new nodes: the parent's score + log(rate at their depth)
     assert out.scores.tolist() == pytest.approx([-0.5, -1.0, -2.0, -0.5 + math.log(0.5),
                                                  -0.5 + math.log(0.5) + math.log(0.25)])
-    out2, nodes2, alone2 = attach_chain(c, [13, 10], rates)   # a chain the head did not start
+    out2, nodes2, alone2, _ = attach_chain(c, [13, 10], rates)   # a chain the head did not start
     assert nodes2 == [3, 4] and alone2 == [True, True] and out2.parents.tolist()[3:] == [-1, 3]
     for o in (out, out2):
         par = o.parents.tolist()

@@ -15,8 +15,8 @@ def obs(self, d, ok):
     return real(self, d, ok)
 NgramProposer.observe = obs
 rp = NgramProposer.propose
-def prop(self, n):
-    out = rp(self, n); stats["rounds"] += 1; stats["proposed"] += bool(out); return out
+def prop(self):
+    out = rp(self); stats["rounds"] += 1; stats["proposed"] += bool(out); return out
 NgramProposer.propose = prop
 for i, q in enumerate(qs):
     eng.generate(messages=[{"role": "user", "content": q.turns[0]}], method="eagle", max_new_tokens=128, temperature=T, seed=i)

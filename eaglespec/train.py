@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from .data import make_batches, split
-from .features import (FeatureStore, add_arch_args, add_data_args, add_model_args, check_positive, load_examples,
-                       load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
+from .features import (FeatureStore, add_arch_args, add_autocast_arg, add_data_args, add_model_args, autocast_for,
+                       check_positive, load_examples, load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
 from .head import EagleHead, _rotated_qkv, load_head, random_eagle3_head, random_head
 
 EVAL_DEPTHS = 4
@@ -101,6 +101,7 @@ def add_cli(sub) -> None:
     r.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (and at each epoch end)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: die like a killed run
+    add_autocast_arg(r, "the training steps (evaluation stays fp32 on a CPU, so held-out numbers compare)")
     p.set_defaults(func=run_train, parser=p)
     add_evaluate_cli(sub)
 
@@ -882,7 +883,7 @@ def run_evaluate(args) -> int:
         src = FirstAnswerTokens(src, args.answer_tokens)
     head = head.to(device=device, dtype=torch.float32)
     vocab = None if head.draft_ids is None else (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else contextlib.nullcontext
+    autocast = autocast_for(device, "auto")  # bf16 on CUDA, fp32 on a CPU, as training's evaluations
     t0 = time.perf_counter()
     if aux is not None:
         sums = ttt_evaluate(head, target, src, batches, args.ttt_steps, autocast, vocab=vocab)
@@ -1075,8 +1076,15 @@ class TrainRun:
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel
             self.model = DistributedDataParallel(head, device_ids=[device.index] if device.type == "cuda" else None)
-        self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" \
-            else contextlib.nullcontext
+        self.autocast = autocast_for(device, args.autocast)
+        # The loss's frozen LM-head passes (soft_ce: most of a CPU step) are our own code, outside autocast;
+        # an explicit --autocast bf16 runs them on bf16 rows too. (auto on CUDA keeps them fp32, as before.)
+        self.train_vocab = self.vocab
+        if args.autocast == "bf16":
+            w, ids = self.vocab or (target.lm_head.weight, None)
+            self.train_vocab = (w.to(torch.bfloat16), ids)
+        # the held-out yardstick does not follow --autocast: fp32 on a CPU, so runs with and without it compare
+        self.eval_autocast = autocast_for(device, "auto")
         self.extra = {"eaglespec": {"target": args.model or "default", "data": data.desc}}
         self.resumed = saved is not None
         self.last_eval: dict = {}
@@ -1087,10 +1095,10 @@ class TrainRun:
         self.marks["eval"] = state["step"]
         if self.aux is not None:
             sums = ttt_evaluate(self.head, self.target, self.data.eval_src, self.data.eval_batches, a.ttt_steps,
-                                self.autocast, vocab=self.vocab)
+                                self.eval_autocast, vocab=self.vocab)
         else:
             sums = evaluate(self.head, self.target, self.data.eval_src, self.data.eval_batches, self.weights,
-                            self.autocast, vocab=self.vocab)
+                            self.eval_autocast, vocab=self.vocab)
         if self.world > 1:
             import torch.distributed as dist
             dist.all_reduce(sums)
@@ -1122,10 +1130,10 @@ class TrainRun:
             with sync:
                 if self.aux is not None:
                     loss, s = ttt_batch_loss(self.model, self.target, ids, amask, feats, steps=a.ttt_steps,
-                                             autocast=self.autocast, vocab=self.vocab, memo=src.memo(b))
+                                             autocast=self.autocast, vocab=self.train_vocab, memo=src.memo(b))
                 else:
                     loss, s = batch_loss(self.model, self.target, ids, amask, feats, noise=a.noise,
-                                         weights=self.weights, generator=gen, autocast=self.autocast, vocab=self.vocab)
+                                         weights=self.weights, generator=gen, autocast=self.autocast, vocab=self.train_vocab)
                 (loss / a.grad_accum).backward()
             stats += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
                                    sum(src.lengths[i] for i in b)], dtype=torch.float64)

@@ -199,8 +199,12 @@ class _ChainAttention(torch.autograd.Function):
 
 def chain_attention(q, k0, v0, kc, vc, scale: float) -> torch.Tensor:
     """See `chain_attention_reference`; fused on CPU (fp32), written out elsewhere."""
-    if q.device.type == "cpu" and q.dtype == torch.float32:
-        return _ChainAttention.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), kc, vc, scale)
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+        # Under CPU autocast (`train --autocast bf16`) the projections come out bf16 next to fp32 ones; the
+        # fused kernel wants one dtype, and fp32 keeps it O(T) in memory (the written-out path is T x T).
+        dtype = q.dtype
+        q, k0, v0, kc, vc = (t.float() for t in (q, k0, v0, kc, vc))
+        return _ChainAttention.apply(q.contiguous(), k0.contiguous(), v0.contiguous(), kc, vc, scale).to(dtype)
     return chain_attention_reference(q, k0, v0, kc, vc, scale)
 
 

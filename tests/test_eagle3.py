@@ -542,6 +542,12 @@ def test_eagle3_features_then_train_from_disk(e3, tmp_path, capsys):
     assert "--noise do(es) not apply to --arch eagle3" in capsys.readouterr().out
     for r, s in zip(read_jsonl(out / "train_log.jsonl"), read_jsonl(ref / "train_log.jsonl")):
         assert r["loss"] == pytest.approx(s["loss"], rel=2e-2)
+    # --autocast bf16 runs the unrolled steps (bf16 projections beside fp32 ones into the fused chain
+    # attention) and follows the fp32 curve within bf16's rounding
+    half = tmp_path / "bf16"
+    assert cli(*disk, "--features-dir", feats, "--out", half, "--autocast", "bf16") == 0
+    for r, s in zip(read_jsonl(half / "train_log.jsonl"), read_jsonl(out / "train_log.jsonl")):
+        assert r["loss"] == pytest.approx(s["loss"], rel=5e-2)
     # an EAGLE-1 run reads the same store (its first H columns); an EAGLE-1 store cannot train EAGLE-3
     assert cli("train", "--model", tiny, "--features-dir", feats, "--out", tmp_path / "e1", "--max-steps", 2,
                "--batch-tokens", 384) == 0

@@ -198,7 +198,8 @@ class _ChainAttention(torch.autograd.Function):
 
 
 def chain_attention(q, k0, v0, kc, vc, scale: float) -> torch.Tensor:
-    """See `chain_attention_reference`; fused on CPU (fp32), written out elsewhere."""
+    """See `chain_attention_reference`; fused on CPU (in fp32, whatever mix of fp32/bf16 comes in; the result
+    in q's dtype), written out elsewhere."""
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
         # Under CPU autocast (`train --autocast bf16`) the projections come out bf16 next to fp32 ones; the
         # fused kernel wants one dtype, and fp32 keeps it O(T) in memory (the written-out path is T x T).

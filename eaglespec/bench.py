@@ -696,6 +696,29 @@ def head_engines(engine, heads: dict[str, str], progress: bool) -> dict[str, obj
     return out
 
 
+def share_cost_tables(engines) -> dict[int, object]:
+    """One cost table per table key for every auto-tree engine of a run, so that methods compare on equal terms.
+
+    Each engine loads and spot-checks the cached table on its own, and the check (a 1.3x tolerance) can pass
+    for one engine and fail for the next, which then re-measures: seen on 2026-12-04, when the main engine's
+    policy sized its trees from T(8)/T(1) = 1.69 and two other EAGLE-1 heads' from 1.18 in the same run. Here
+    each key's table is loaded once more (the latest cached, spot-checked) and given to all its engines.
+    Returns {id(engine): table} for the engines that use one."""
+    from . import costmodel
+    from .engine import _notice
+    tables, used = {}, {}
+    for e in engines:
+        if e.head is None or not (e.tree.auto and e.tree.kind == "dynamic"):
+            continue
+        key = json.dumps(costmodel.table_key(e), sort_keys=True, default=str)
+        if key not in tables:
+            tables[key] = costmodel.load_or_measure(e, (1,) + e.auto_buckets(), log=_notice)
+        if e._cost_table is not tables[key]:
+            e._cost_table, e.policy = tables[key], None  # the policy is rebuilt from it at its first round
+        used[id(e)] = tables[key]
+    return used
+
+
 def calibration(engine) -> dict | None:
     """The cost table this engine's tree policy uses (measured now if not cached; a full table, with
     sizes the policy does not use, comes from `eaglespec calibrate`), or None without a head."""
@@ -730,8 +753,11 @@ def run(args) -> int:
         print("eaglespec bench: the draft head is random (no trained head given or shipped): "
               "EAGLE's figures will show its overhead, not its speed-up", file=sys.stderr)
     methods = {name: build_method(name, engine, args.model) for name in names}
+    engines = {"eagle": engine}
     for name, e in head_engines(engine, extra_heads, not args.no_progress).items():
         methods[f"eagle@{name}"] = build_method("eagle", e, args.model)
+        engines[f"eagle@{name}"] = e
+    tables = share_cost_tables(engines.values())
     names = list(methods)
     records = run_bench(engine, questions, methods, args.max_new_tokens, args.temperature, args.seed,
                         progress=not args.no_progress)
@@ -755,6 +781,8 @@ def run(args) -> int:
         "greedy_identical": all(f["greedy_identical"] for f in figs.values()) if args.temperature == 0 else None,
         "machine": machine_info(engine), "versions": versions(), "settings": settings,
         "calibration": calibration(engine),
+        # T(n)/T(1) of the table each head's tree policy used (one per table key: EAGLE-1 and EAGLE-3 heads differ)
+        "calibration_ratios_by_head": {n: tables[id(e)].ratios() for n, e in engines.items() if id(e) in tables},
         "definitions": DEFINITIONS, "records": records,
     }
     report = markdown(result)

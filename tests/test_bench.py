@@ -312,3 +312,30 @@ def test_more_heads_run_interleaved_in_one_bench(tiny, questions, tmp_path):
     assert result["settings"]["heads"] == f"same={tmp_path / 'same'},other={tmp_path / 'other'}"
     firsts = [r["method"] for r in result["records"] if r["turn"] == 1][::4]
     assert firsts == ["vanilla", "eagle", "eagle@same"]  # they take turns like any method
+
+
+def test_heads_of_one_run_share_one_cost_table(tiny, tmp_path, monkeypatch):
+    """Each engine loads and spot-checks the cached cost table on its own, so two engines of one run could size
+    their trees from different tables (one kept an older table that passed its check, another re-measured).
+    The bench gives every engine of a table key the same table; an EAGLE-3 head has its own key."""
+    from eaglespec import costmodel
+    from eaglespec.engine import Engine
+    from eaglespec.head import random_eagle3_head, random_head
+    from eaglespec.loading import load_target
+    from eaglespec.tree import TreeConfig
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
+    target, _ = load_target(str(tiny), device="cpu")
+    tree = TreeConfig(auto=True)
+    a, b = (Engine(target, head=random_head(target.args, seed=s), tree=tree) for s in (0, 1))
+    c = Engine(target, head=random_eagle3_head(target.args), tree=tree)
+    plain = Engine(target)
+    old = costmodel.CostTable(verify_ms={n: 1.0 + n for n in (1,) + a.auto_buckets()}, draft_first_ms=0.1,
+                              draft_step_ms=0.1, key=costmodel.table_key(a))
+    a._cost_table = old  # what a stale table kept in memory looks like
+    a._get_policy()
+    used = bench.share_cost_tables([a, b, c, plain])
+    assert a._cost_table is b._cost_table is used[id(a)] is used[id(b)]
+    assert a._cost_table is not old and a.policy is None  # rebuilt from the shared table at its next round
+    assert c._cost_table is used[id(c)] and c._cost_table is not a._cost_table  # another key, another table
+    assert id(plain) not in used
+    assert a._get_policy().table is a._cost_table

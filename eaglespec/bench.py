@@ -703,16 +703,25 @@ def share_cost_tables(engines) -> dict[int, object]:
     for one engine and fail for the next, which then re-measures: seen on 2026-12-04, when the main engine's
     policy sized its trees from T(8)/T(1) = 1.69 and two other EAGLE-1 heads' from 1.18 in the same run. Here
     each key's table is loaded once more (the latest cached, spot-checked) and given to all its engines.
+    A head of another kind (EAGLE-3) has its own key, for its own draft costs, but it verifies with the same
+    target calls: it gets the first table's T(n) with its own draft times, because two timings of the same
+    calls differ by the machine's drift (T(8)/T(1) 1.13 against 1.43 in two tables of one morning), and a
+    comparison of heads must not turn on that.
     Returns {id(engine): table} for the engines that use one."""
     from . import costmodel
     from .engine import _notice
-    tables, used = {}, {}
+    tables, used, verify_ms = {}, {}, None
     for e in engines:
         if e.head is None or not (e.tree.auto and e.tree.kind == "dynamic"):
             continue
         key = json.dumps(costmodel.table_key(e), sort_keys=True, default=str)
         if key not in tables:
-            tables[key] = costmodel.load_or_measure(e, (1,) + e.auto_buckets(), log=_notice)
+            t = costmodel.load_or_measure(e, (1,) + e.auto_buckets(), log=_notice)
+            if verify_ms is None:
+                verify_ms = t.verify_ms
+            elif set(e.auto_buckets()) <= set(verify_ms):
+                t = dataclasses.replace(t, verify_ms=dict(verify_ms))
+            tables[key] = t
         if e._cost_table is not tables[key]:
             e._cost_table, e.policy = tables[key], None  # the policy is rebuilt from it at its first round
         used[id(e)] = tables[key]

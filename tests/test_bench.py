@@ -336,6 +336,8 @@ def test_heads_of_one_run_share_one_cost_table(tiny, tmp_path, monkeypatch):
     used = bench.share_cost_tables([a, b, c, plain])
     assert a._cost_table is b._cost_table is used[id(a)] is used[id(b)]
     assert a._cost_table is not old and a.policy is None  # rebuilt from the shared table at its next round
-    assert c._cost_table is used[id(c)] and c._cost_table is not a._cost_table  # another key, another table
+    assert c._cost_table is used[id(c)] and c._cost_table is not a._cost_table  # another key, another table...
+    assert c._cost_table.verify_ms == a._cost_table.verify_ms  # ...but the same target calls, so the same T(n)
+    assert c._cost_table.key == costmodel.table_key(c)  # and its own draft costs
     assert id(plain) not in used
     assert a._get_policy().table is a._cost_table

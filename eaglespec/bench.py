@@ -43,6 +43,8 @@ DEFINITIONS = {
     "draft_cost_steps": "the drafting part of round_cost_steps (head catch-up, every depth, tree selection)",
     "mean_tree_tokens": "tokens the target verified per round, the root included",
     "calibration": "T(n): median time to verify n tree tokens (n = 1 is a plain step), from `eaglespec calibrate`",
+    "calibration_ratios_by_head": "T(n)/T(1) of the table each head's auto tree was sized with: one T(n) for "
+                                  "every head of the run, each head with its own draft costs",
 }
 
 

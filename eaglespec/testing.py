@@ -141,3 +141,25 @@ def eagle3_oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0,
         for p in head.parameters():
             p += noise * p.std() * torch.randn_like(p)
     return model.eval().requires_grad_(False), head.eval().requires_grad_(False)
+
+
+def exact_continuations(model, prompt: list[int], n: int, params) -> dict[tuple, float]:
+    """P(first n new tokens) under plain sampling with `params`, from one batched forward over every
+    continuation (a tiny vocabulary only: V**(n-1) rows), on the model's device: the reference the
+    sampling chi-square tests (tests/, scripts/gpu_check.py) compare EAGLE's draws with."""
+    from .sampling import target_probs
+    v, dev = model.args.vocab_size, model.embed_tokens.weight.device
+    conts = torch.cartesian_prod(*[torch.arange(v)] * (n - 1)).reshape(-1, n - 1) if n > 1 else torch.zeros(1, 0)
+    seqs = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts.long()], dim=1).to(dev)
+    with torch.inference_mode():
+        _, logits = model(seqs, torch.arange(seqs.shape[1], device=dev)[None].expand(len(seqs), -1))
+    probs = target_probs(logits[:, len(prompt) - 1:], params).double().cpu()  # (conts, n, V)
+    out = {}
+    for row, cont in zip(probs, conts.long().tolist()):
+        prefix = 1.0
+        for i, x in enumerate(cont):
+            prefix *= float(row[i, x])
+        for x, px in enumerate(row[-1].tolist()):
+            if prefix * px > 0:
+                out[tuple(cont) + (x,)] = prefix * px
+    return out

@@ -36,8 +36,8 @@ from eaglespec.costmodel import CostTable
 from eaglespec.engine import Engine
 from eaglespec.head import random_eagle3_head, random_head
 from eaglespec.loading import load_target
-from eaglespec.sampling import SamplingParams, target_probs
-from eaglespec.testing import FAMILIES, eagle3_oracle_pair, make_tiny_checkpoint, oracle_pair
+from eaglespec.sampling import SamplingParams
+from eaglespec.testing import FAMILIES, eagle3_oracle_pair, exact_continuations, make_tiny_checkpoint, oracle_pair
 from eaglespec.tree import TreeConfig
 
 NEW = 32
@@ -159,24 +159,6 @@ def good_heads(dev):
     if bad:
         raise AssertionError(f"fp32 failures: {bad[:3]}")
     return {"rows": out}
-
-
-def exact_continuations(model, prompt, n, params):
-    v, dev = model.args.vocab_size, model.embed_tokens.weight.device
-    conts = torch.cartesian_prod(*[torch.arange(v)] * (n - 1)).reshape(-1, n - 1)
-    seqs = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts.long()], dim=1).to(dev)
-    with torch.inference_mode():
-        _, logits = model(seqs, torch.arange(seqs.shape[1], device=dev)[None].expand(len(seqs), -1))
-    probs = target_probs(logits[:, len(prompt) - 1:], params).double().cpu()
-    out = {}
-    for row, cont in zip(probs, conts.long().tolist()):
-        prefix = 1.0
-        for i, x in enumerate(cont):
-            prefix *= float(row[i, x])
-        for x, px in enumerate(row[-1].tolist()):
-            if prefix * px > 0:
-                out[tuple(cont) + (x,)] = prefix * px
-    return out
 
 
 @part("3 sampling chi-square on CUDA")

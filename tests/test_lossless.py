@@ -15,7 +15,7 @@ from eaglespec.head import EagleHead, random_head
 from eaglespec.loading import load_target
 from eaglespec.model import KVCache
 from eaglespec.sampling import SamplingParams, target_probs
-from eaglespec.testing import FAMILIES
+from eaglespec.testing import FAMILIES, exact_continuations  # noqa: F401 - test_ngram, test_eagle3 import it from here
 from eaglespec.tree import Drafter, Tree, TreeConfig
 from eaglespec.verify import verify
 
@@ -223,25 +223,6 @@ def test_verification_emits_the_target_distribution(name):
     assert accepted > 5_000  # the tree is accepted into often, so the test sees acceptance, not only bonuses
     assert max(map(len, counts)) >= 4
     assert chi_square_pvalue(counts, expected) > 1e-3
-
-
-def exact_continuations(model, prompt: list[int], n: int, params: SamplingParams) -> dict[tuple, float]:
-    """P(first n new tokens) under plain sampling, from one batched forward over every continuation."""
-    v = model.args.vocab_size
-    conts = torch.cartesian_prod(*[torch.arange(v)] * (n - 1)).reshape(-1, n - 1) if n > 1 else torch.zeros(1, 0)
-    seqs = torch.cat([torch.tensor(prompt).expand(len(conts), -1), conts.long()], dim=1)
-    with torch.inference_mode():
-        _, logits = model(seqs, torch.arange(seqs.shape[1])[None].expand(len(seqs), -1))
-    probs = target_probs(logits[:, len(prompt) - 1:], params).double()  # (conts, n, V)
-    out = {}
-    for row, cont in zip(probs, conts.long().tolist()):
-        prefix = 1.0
-        for i, x in enumerate(cont):
-            prefix *= float(row[i, x])
-        for x, px in enumerate(row[-1].tolist()):
-            if prefix * px > 0:
-                out[tuple(cont) + (x,)] = prefix * px
-    return out
 
 
 @pytest.mark.parametrize("name,draws,draft_vocab", [("t1", 2000, None), ("t0.7-p0.9-k5", 1000, None),

@@ -792,7 +792,7 @@ def run(args) -> int:
         "greedy_identical": all(f["greedy_identical"] for f in figs.values()) if args.temperature == 0 else None,
         "machine": machine_info(engine), "versions": versions(), "settings": settings,
         "calibration": calibration(engine),
-        # T(n)/T(1) of the table each head's tree policy used (one per table key: EAGLE-1 and EAGLE-3 heads differ)
+        # T(n)/T(1) of the table each head's tree policy used (one T(n) for all; each kind of head its own draft costs)
         "calibration_ratios_by_head": {n: tables[id(e)].ratios() for n, e in engines.items() if id(e) in tables},
         "definitions": DEFINITIONS, "records": records,
     }

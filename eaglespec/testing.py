@@ -143,6 +143,13 @@ def eagle3_oracle_pair(vocab_size: int = 320, seed: int = 0, noise: float = 0.0,
     return model.eval().requires_grad_(False), head.eval().requires_grad_(False)
 
 
+def random_prompts(n: int, seed: int, vocab: int = 320, max_len: int = 40) -> list[list[int]]:
+    """n prompts of 1..max_len random token ids, the same for a seed (the lossless checks' inputs)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
 def exact_continuations(model, prompt: list[int], n: int, params) -> dict[tuple, float]:
     """P(first n new tokens) under plain sampling with `params`, from one batched forward over every
     continuation (a tiny vocabulary only: V**(n-1) rows), on the model's device: the reference the

@@ -37,7 +37,8 @@ from eaglespec.engine import Engine
 from eaglespec.head import random_eagle3_head, random_head
 from eaglespec.loading import load_target
 from eaglespec.sampling import SamplingParams
-from eaglespec.testing import FAMILIES, eagle3_oracle_pair, exact_continuations, make_tiny_checkpoint, oracle_pair
+from eaglespec.testing import (FAMILIES, eagle3_oracle_pair, exact_continuations, make_tiny_checkpoint, oracle_pair,
+                               random_prompts)
 from eaglespec.tree import TreeConfig
 
 NEW = 32
@@ -70,14 +71,8 @@ def part(name):
     return wrap
 
 
-def prompts(n, seed, vocab=320, max_len=40):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
-
-
-def gen(engine, prompt, method="eagle", **kw):
-    return engine.generate(input_ids=prompt, method=method, max_new_tokens=NEW, ignore_eos=True, **kw)
+def gen(engine, prompt, method="eagle"):
+    return engine.generate(input_ids=prompt, method=method, max_new_tokens=NEW, ignore_eos=True)
 
 
 def tie_gap(model, prompt, got, want):
@@ -92,10 +87,10 @@ def tie_gap(model, prompt, got, want):
     return float(top2[0] - top2[1])
 
 
-def compare(engine, model, ps, want, **kw):
+def compare(engine, model, ps, want):
     same, gaps, taus = 0, [], []
     for p, w in zip(ps, want):
-        r = gen(engine, p, **kw)
+        r = gen(engine, p)
         taus.append(r.tau)
         g = tie_gap(model, p, r.token_ids, w)
         if g is None:
@@ -115,7 +110,7 @@ def greedy_families(dev):
     for fam in FAMILIES:
         with tempfile.TemporaryDirectory() as d:
             model, _ = load_target(str(make_tiny_checkpoint(Path(d) / fam, fam)), device=dev, dtype=torch.float32)
-        ps = prompts(4, seed=1)
+        ps = random_prompts(4, seed=1)
         want = [gen(Engine(model), p, "vanilla").token_ids for p in ps]
         for hname, make in (("eagle1", random_head), ("eagle3", random_eagle3_head)):
             head = make(model.args, seed=3).to(dev).eval().requires_grad_(False)
@@ -145,7 +140,7 @@ def good_heads(dev):
     for hname in ("eagle1", "eagle3"):
         for dtype in (torch.float32, torch.bfloat16):
             model, head = oracle(hname, dev, dtype)
-            ps = prompts(12, seed=2)
+            ps = random_prompts(12, seed=2)
             want = [gen(Engine(model), p, "vanilla").token_ids for p in ps]
             for kind in ("dynamic", "static", "chain"):
                 res = compare(Engine(model, head=head, tree=TreeConfig(kind=kind)), model, ps, want)
@@ -202,7 +197,7 @@ def compiled(dev):
     rows = []
     for hname in ("eagle1", "eagle3"):
         model, head = oracle(hname, dev, torch.float32)
-        ps = prompts(6, seed=4)
+        ps = random_prompts(6, seed=4)
         t0 = time.perf_counter()
         plain = Engine(model, compile=True)
         want = [gen(plain, p, "vanilla").token_ids for p in ps]

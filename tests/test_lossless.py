@@ -15,18 +15,12 @@ from eaglespec.head import EagleHead, random_head
 from eaglespec.loading import load_target
 from eaglespec.model import KVCache
 from eaglespec.sampling import SamplingParams, target_probs
-from eaglespec.testing import FAMILIES, exact_continuations  # noqa: F401 - test_ngram, test_eagle3 import it from here
+from eaglespec.testing import FAMILIES, exact_continuations, random_prompts  # noqa: F401 - test_ngram, test_eagle3 import them from here
 from eaglespec.tree import Drafter, Tree, TreeConfig
 from eaglespec.verify import verify
 
 KINDS = ("dynamic", "static", "chain")
 NEW = 32
-
-
-def random_prompts(n: int, seed: int, vocab: int = 320, max_len: int = 40) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, max_len + 1, (n,), generator=g).tolist()
-    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
 def run(engine: Engine, prompt: list[int], method: str = "eagle"):

@@ -297,6 +297,9 @@ def main() -> int:
              "4": lambda: compiled(dev), "5": lambda: cli_pipeline(dev, work),
              "6e": lambda: calibrate(dev, Path(a.smollm2_config), a.head, work, out, "--eager"),
              "6c": lambda: calibrate(dev, Path(a.smollm2_config), a.head, work, out, "--compile")}
+    unknown = [k for k in parts if k not in steps]
+    if unknown:
+        ap.error(f"unknown --parts {','.join(unknown)}; known: {','.join(steps)}")
     for key in parts:  # in the order given: the most wanted first, in case the time runs out
         if key.startswith("6") and not a.smollm2_config:
             continue

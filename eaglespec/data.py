@@ -213,10 +213,11 @@ def iter_regenerated(folder: Path, report: LoadReport) -> Iterator:
 
 
 def load_conversations(spec: str, max_conversations: int | None = None,
-                       need_assistant: bool = True) -> tuple[list[Conversation], LoadReport]:
+                       need_assistant: bool = True, skip: int = 0) -> tuple[list[Conversation], LoadReport]:
     """Every usable record of `spec`, and what was skipped. ShareGPT splits a long chat into records
     (ids `x_0`, `x_1`, ...) that share a conversation key; `max_conversations` counts conversations,
-    so it keeps every usable record of the first N of them."""
+    so it keeps every usable record of the first N of them. `skip` leaves out the first `skip` of those
+    N (a corpus that grew: the features of its new part only)."""
     report = LoadReport(source=spec)
     out: list[Conversation] = []
     keys: set[str] = set()
@@ -233,7 +234,12 @@ def load_conversations(spec: str, max_conversations: int | None = None,
         if max_conversations is not None and key not in keys and len(keys) >= max_conversations:
             break
         keys.add(key)
-        out.append(Conversation(key, messages, report.records - 1))
+        if len(keys) > skip:
+            out.append(Conversation(key, messages, report.records - 1))
+    if not out and skip and keys:
+        raise ValueError(f"{spec} has {len(keys):,} usable conversations"
+                         + (f" within --max-conversations {max_conversations:,}" if max_conversations else "")
+                         + f": --skip-conversations {skip:,} leaves none")
     if not out:
         raise ValueError(f"no usable conversations in {spec} ({report.summary(0).split('(', 1)[-1].rstrip(')') or 'empty'})")
     return out, report

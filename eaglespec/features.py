@@ -72,7 +72,11 @@ def add_data_args(p):
 def add_cli(sub) -> None:
     p = sub.add_parser("features", help="precompute the target's features for training into sharded files")
     add_model_args(p)
-    add_data_args(p)
+    add_data_args(p).add_argument(
+        "--skip-conversations", type=int, default=0, metavar="N",
+        help="leave out the first N usable conversations, e.g. those an earlier store holds (--max-conversations "
+             "still counts from the first: --skip-conversations 1000 --max-conversations 4011 gives the "
+             "1,001st to the 4,011th) (default: 0)")
     p.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
     p.add_argument("--feature-dtype", default="float16", choices=list(FEATURE_DTYPES),
@@ -122,11 +126,12 @@ def load_model(args):
     return target, load_tokenizer(folder), folder
 
 
-def load_examples(tokenizer, data: str, max_conversations: int | None, max_len: int, log=print) -> tuple[list[Example], str]:
+def load_examples(tokenizer, data: str, max_conversations: int | None, max_len: int, log=print,
+                  skip: int = 0) -> tuple[list[Example], str]:
     """Conversations of `data` tokenized with the target's template; prints and returns the summary line."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target's tokenizer has no chat template: training data cannot be rendered")
-    conversations, report = load_conversations(data, max_conversations)
+    conversations, report = load_conversations(data, max_conversations, skip=skip)
     examples = encode_all(tokenizer, conversations, max_len, report, progress=True)
     summary = report.summary(len(examples), len({e.key for e in examples}))
     log(summary)
@@ -198,6 +203,11 @@ def run_features(args) -> int:
     from .cli import resolve_compile
     check_positive(max_conversations=args.max_conversations, max_len=args.max_len,
                    batch_tokens=args.batch_tokens, shard_size=args.shard_size)
+    skip = args.skip_conversations
+    if skip < 0:
+        raise ValueError(f"--skip-conversations must be >= 0, got {skip}")
+    if args.max_conversations is not None and skip >= args.max_conversations:
+        raise ValueError(f"--skip-conversations {skip} leaves nothing of --max-conversations {args.max_conversations}")
     data, max_len = args.data or "sharegpt", args.max_len or 2048
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
@@ -209,7 +219,7 @@ def run_features(args) -> int:
     # a target already in bf16 (CUDA's default) is unchanged by autocast: nothing to record
     autocast = autocast_for(device, args.autocast) if target.embed_tokens.weight.dtype == torch.float32 \
         else contextlib.nullcontext
-    examples, summary = load_examples(tokenizer, data, args.max_conversations, max_len)
+    examples, summary = load_examples(tokenizer, data, args.max_conversations, max_len, skip=skip)
     shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
     manifest = {
         "format": FORMAT, "version": 1,
@@ -225,6 +235,7 @@ def run_features(args) -> int:
         **({"arch": "eagle3", "aux_layers": list(aux)} if aux is not None else {}),
         # recorded only when on, so stores written before the option existed still resume
         **({"autocast": "bf16"} if autocast is not contextlib.nullcontext else {}),
+        **({"skip_conversations": skip} if skip else {}),
     }
     out.mkdir(parents=True, exist_ok=True)
     check_resumable(out, manifest)
@@ -277,7 +288,8 @@ def run_features(args) -> int:
 
 
 # A rerun with a larger --max-conversations keeps every finished shard that holds the same conversations.
-RESUME_KEYS = ("model_fingerprint", "data", "max_len", "feature_dtype", "shard_size", "arch", "aux_layers", "autocast")
+RESUME_KEYS = ("model_fingerprint", "data", "max_len", "feature_dtype", "shard_size", "arch", "aux_layers", "autocast",
+               "skip_conversations")
 
 
 def shard_matches(path: Path, shard: list[Example]) -> bool:

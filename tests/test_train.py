@@ -316,6 +316,26 @@ def test_features_then_train_from_disk(tiny, chats, tmp_path, trained, capsys):
     assert read_jsonl(small / "metrics.jsonl")[-1]["tokens"] == read_jsonl(out / "metrics.jsonl")[-1]["tokens"]
 
 
+def test_features_of_a_later_part_of_the_corpus(tiny, chats, tmp_path, capsys):
+    """`--skip-conversations` stores what a store of the first N lacks, byte for byte what a store of all
+    of them holds for those conversations; the setting is part of what a resume must match."""
+    argv = ["features", "--model", tiny, "--data", chats, "--shard-size", 8, "--batch-tokens", 512, "--eager"]
+    assert cli(*argv, "--max-conversations", 16, "--out", tmp_path / "all") == 0
+    assert cli(*argv, "--max-conversations", 16, "--skip-conversations", 8, "--out", tmp_path / "later") == 0
+    later = json.loads((tmp_path / "later" / "manifest.json").read_text())
+    assert later["skip_conversations"] == 8 and later["n_conversations"] == 8
+    a = load_file(str(tmp_path / "all" / "shard-00001.safetensors"))
+    b = load_file(str(tmp_path / "later" / "shard-00000.safetensors"))
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["offsets"], b["offsets"])
+    assert torch.allclose(a["features"].float(), b["features"].float(), atol=2e-3)
+    assert FeatureStore(tmp_path / "later").keys == FeatureStore(tmp_path / "all").keys[8:]
+    assert cli(*argv, "--max-conversations", 16, "--out", tmp_path / "later") == 2  # not the same run
+    assert "skip_conversations" in capsys.readouterr().err
+    assert cli(*argv, "--max-conversations", 8, "--skip-conversations", 8, "--out", tmp_path / "none") == 2
+    assert "--skip-conversations 8 leaves nothing of --max-conversations 8" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
 def test_bf16_autocast_features_and_training_follow_fp32(tiny, chats, tmp_path):
     """`--autocast bf16` (opt-in on a CPU: about 2x faster where the CPU has bf16 instructions) stores features
     within bf16's rounding of the fp32 ones, records the choice (a store never mixes the two), and training

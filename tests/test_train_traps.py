@@ -81,6 +81,11 @@ def test_max_conversations_counts_conversations_not_records(tmp_path):
     convs, report = load_conversations(str(path), max_conversations=2)
     assert [c.key for c in convs] == ["a", "a", "b"]
     assert report.summary(len(convs), 2).startswith("data: 2 conversations (3 records)")
+    # skip counts conversations too: the later part of a grown corpus, the records of a chat kept together
+    later, _ = load_conversations(str(path), max_conversations=3, skip=1)
+    assert [c.key for c in later] == ["b", "c"] and [c.index for c in later] == [2, 3]
+    with pytest.raises(ValueError, match="--skip-conversations 3 leaves none"):
+        load_conversations(str(path), skip=3)
 
 
 def test_head_given_the_run_folder_suggests_its_head(tiny, tmp_path, capsys):

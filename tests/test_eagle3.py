@@ -342,6 +342,37 @@ def test_ttt_losses_match_a_direct_computation():
     torch.set_grad_enabled(True)
 
 
+def test_bf16_autocast_runs_the_step_loss_and_the_targets_argmax_in_bf16(monkeypatch):
+    """Under `train --autocast bf16` the head's LM head over the draft vocabulary (forward and backward:
+    most of an EAGLE-3 step's arithmetic) and the target's full-vocabulary argmax run in bf16, ~1.5x faster
+    a step on a CPU with bf16 instructions; the losses stay within bf16's rounding of the fp32 ones."""
+    import contextlib
+    from eaglespec import train
+    model, _ = eagle3_oracle_pair(logit_scale=3.0)
+    ids_draft = torch.arange(0, 320, 2)
+    head = random_eagle3_head(model.args, seed=7, draft_vocab=ids_draft)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 320, (2, 12), generator=g)
+    amask = torch.rand(2, 12, generator=g) > 0.3
+    with torch.no_grad():
+        feats = torch.cat(model(ids, torch.arange(12)[None].expand(2, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
+    rows = model.lm_head.weight[ids_draft].contiguous()
+    seen = {"lm_head": set(), "best": set()}
+    head.lm_head.register_forward_hook(lambda m, i, o: seen["lm_head"].add(o.dtype))
+    best = train.target_best
+    monkeypatch.setattr(train, "target_best", lambda f, n, w, memo=None: seen["best"].add(w.dtype) or best(f, n, w, memo))
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    fp32 = train.ttt_losses(head, model, ids, amask, feats, 3, contextlib.nullcontext, (rows, ids_draft))
+    assert seen == {"lm_head": {torch.float32}, "best": {torch.float32}}
+    seen["lm_head"].clear(), seen["best"].clear()
+    half = train.ttt_losses(head, model, ids, amask, feats, 3, bf16, (rows.to(torch.bfloat16), ids_draft))
+    assert seen == {"lm_head": {torch.bfloat16}, "best": {torch.bfloat16}}
+    for a, b in zip(fp32, half):
+        assert float(b[0]) == pytest.approx(float(a[0]), rel=2e-2)
+    sum(0.8 ** i * m for i, (m, *_r) in enumerate(half)).backward()  # the bf16 path trains
+    assert head.lm_head.weight.grad is not None and head.lm_head.weight.grad.dtype == torch.float32
+
+
 def test_the_targets_best_tokens_are_kept_per_sequence_across_epochs():
     """`target_best` with a memo: the same argmax as without, computed only for sequences it has not
     seen (a changed LM head does not change a kept answer, which shows nothing was recomputed)."""

@@ -730,19 +730,18 @@ def run_train(args) -> int:
     rank, world, device = setup_distributed(args.device)
     args.command = command_line(args, world)  # before defaults get filled in
     args.device = device
-    finished = False
     try:
         code = _train(args, weights, rank, world)
-        finished = True
+        if world > 1:
+            # Rank 0 still writes the head and card when the others are done; a rank that tears gloo down
+            # while a peer is busy can abort (seen under load: SIGABRT, "terminate called without an active
+            # exception"). Only on success: a peer that failed would never reach the barrier.
+            import torch.distributed as dist
+            dist.barrier()
         return code
     finally:
         if world > 1:
             import torch.distributed as dist
-            if finished:
-                # Rank 0 still writes the head and card when the others are done; a rank that tears gloo down
-                # while a peer is busy can abort (seen under load: SIGABRT, "terminate called without an active
-                # exception"). Not after an error: a peer that failed would never reach the barrier.
-                dist.barrier()
             dist.destroy_process_group()
 
 

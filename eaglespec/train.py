@@ -71,6 +71,10 @@ def add_cli(sub) -> None:
                    help="eagle3: start the head's own norm and lm_head at random (the official recipe) or as a copy "
                         "of the target's final norm and its LM-head rows for the draft vocabulary, so that the "
                         "first steps need not learn an output layer from scratch (default: random)")
+    o.add_argument("--eagle3-feature-weight", type=float, default=0.0, metavar="W",
+                   help="eagle3: add W x SmoothL1 between the head's normed output at each unrolled step and the "
+                        "target's next feature, EAGLE-1's dense signal, to the cross-entropy (not in the official "
+                        "recipe; default 0 = official)")
     o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features (eagle only)")
     o.add_argument("--no-fc-bias", action="store_true", help="fc without bias (as the LLaMA3 heads; vLLM drops it)")
     o.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -324,14 +328,20 @@ def _step_ce(head, hidden, p):
     return total, (torch.cat(tops) if tops else hidden.new_zeros(0, 3, dtype=torch.long))
 
 
-def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, vocab=None, depth: int = 0, memo=None):
+def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, vocab=None, depth: int = 0, memo=None,
+               feature_weight: float = 0.0):
     """The unrolled head's per-step cross-entropy to the target's distribution, for one batch.
 
     Step i at position t is fed x_{t+1+i} and drafts x_{t+2+i}: it is scored where s = t+1+i is a
     row of `ttt_targets`. Returns per step (mean loss over its scored rows or None, scored rows,
     top-1 hits, top-3 hits) for max(steps, depth) steps; hits count every row of s (accuracy is over
     the whole vocabulary: a best token outside the draft vocabulary is a miss), loss only the
-    draftable ones (official). `head` may be a DDP wrapper of an Eagle3Head."""
+    draftable ones (official). `head` may be a DDP wrapper of an Eagle3Head.
+
+    feature_weight > 0 adds, to each trained step's mean, that weight times the SmoothL1 between
+    head.norm(output) and the target's feature at s over every row: the dense regression target that
+    EAGLE-1 learns from, tried because EAGLE-3 heads trained here lag EAGLE-1 at depth 1 on few tokens.
+    The mean then carries a sixth item, the step's feature loss (None when the weight is 0)."""
     module = getattr(head, "module", head)
     h = target_model.args.hidden_size
     rows, p, best, draftable = ttt_targets(target_model, ids, amask, feats, vocab, memo=memo)
@@ -340,6 +350,13 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
     with torch.no_grad():
         embeds = target_model.embed_tokens(tok_in)
     n_steps = max(steps, depth)
+    memo_final = []
+
+    def final_rows():  # the target's feature at each row, as ttt_targets orders them; built once, if asked
+        if not memo_final:
+            memo_final.append(feats[..., :h][rows >= 0].float())
+        return memo_final[0]
+
     with autocast():
         outs = head(embeds, feats[..., h:].float(), ttt_steps=n_steps)
     results = []
@@ -359,8 +376,16 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
                 loss, top = _step_ce(module, hidden, p[kept])
             # nothing scored: a zero that still reaches every parameter (DDP expects a gradient for each)
             mean = loss / n_loss if n_loss else module.draft_logits(out[:1, :1]).sum() * 0.0
+            if feature_weight and int(sel.sum()):
+                # the target's feature at s = the one it drafts x_{s+1} from; the step's output at t drafts it too
+                fl = F.smooth_l1_loss(module.norm(out[sel].float()), final_rows()[idx],
+                                      reduction="none").mean(-1).mean()
+                mean = mean + feature_weight * fl
+                feature = float(fl.detach())
+            else:
+                feature = None
         else:
-            mean, n_loss = None, 0
+            mean, n_loss, feature = None, 0, None
             with torch.no_grad():
                 top = torch.cat([module.draft_logits(hidden[c:c + CE_CHUNK]).topk(min(3, p.shape[1]), -1).indices
                                  for c in range(0, hidden.shape[0], CE_CHUNK)]) if hidden.shape[0] else \
@@ -368,18 +393,22 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
         guess = top if draft_ids is None else draft_ids[top]
         want = best[kept]
         results.append((mean, int(sel.sum()), int((guess[:, 0] == want).sum()),
-                        int((guess == want[:, None]).any(-1).sum()), n_loss))
+                        int((guess == want[:, None]).any(-1).sum()), n_loss, feature))
     return results
 
 
-def ttt_batch_loss(head, target_model, ids, amask, feats, *, steps: int, autocast, vocab=None, memo=None):
-    """Loss of one micro-batch for an EAGLE-3 head: sum_i 0.8**i CE_i over the K = `steps` unrolled steps.
-    Statistics as `batch_loss` (top-1/top-3 of the first step; feature_loss 0: EAGLE-3 regresses no feature)."""
-    per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab, memo=memo)
+def ttt_batch_loss(head, target_model, ids, amask, feats, *, steps: int, autocast, vocab=None, memo=None,
+                   feature_weight: float = 0.0):
+    """Loss of one micro-batch for an EAGLE-3 head: sum_i 0.8**i L_i over the K = `steps` unrolled steps,
+    L_i = CE_i (+ feature_weight x SmoothL1_i, see `ttt_losses`). Statistics as `batch_loss`, of the first
+    step (feature_loss 0 when the official recipe regresses no feature)."""
+    per_step = ttt_losses(head, target_model, ids, amask, feats, steps, autocast, vocab, memo=memo,
+                          feature_weight=feature_weight)
     loss = sum(TTT_DECAY ** i * m for i, (m, *_rest) in enumerate(per_step))
-    n, top1, top3 = per_step[0][1], per_step[0][2], per_step[0][3]
-    ce0 = float(per_step[0][0].detach()) if per_step[0][4] else 0.0
-    return loss, {"loss": float(loss.detach()), "feature_loss": 0.0, "ce_loss": ce0, "top1": top1, "top3": top3, "n": n}
+    n, top1, top3, fl0 = per_step[0][1], per_step[0][2], per_step[0][3], per_step[0][5] or 0.0
+    ce0 = float(per_step[0][0].detach()) - feature_weight * fl0 if per_step[0][4] else 0.0
+    return loss, {"loss": float(loss.detach()), "feature_loss": fl0, "ce_loss": ce0, "top1": top1, "top3": top3,
+                  "n": n}
 
 
 @torch.no_grad()
@@ -675,7 +704,8 @@ def validate(args) -> None:
     check_positive(max_conversations=args.max_conversations, max_len=args.max_len, batch_tokens=args.batch_tokens,
                    epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
                    eval_conversations=args.eval_conversations, ttt_steps=args.ttt_steps)
-    for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps", "draft_vocab"):
+    for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps", "draft_vocab",
+                 "eagle3_feature_weight"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 <= args.held_out < 1:
@@ -754,6 +784,8 @@ def run_aux_layers(args, target, store: FeatureStore | None, log=print) -> tuple
     """--arch eagle3: the target layers the head fuses (a features folder's own, else --aux-layers or
     the default); None for EAGLE-1."""
     if args.arch != "eagle3":
+        if args.eagle3_feature_weight:
+            log("note: --eagle3-feature-weight applies to --arch eagle3 only (EAGLE-1 uses --feature-weight)")
         return None
     unused = [f"--{k.replace('_', '-')}" for k, v in EAGLE1_ONLY.items() if getattr(args, k) != v]
     if unused:
@@ -1027,6 +1059,8 @@ def schedule(args, data: RunData, aux, world: int, log) -> Schedule:
     plan = {"epochs": args.epochs, "total_steps": total_steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
     if aux is not None:  # another unroll depth is another objective: a resume keeps it (or --replan)
         plan["ttt_steps"] = args.ttt_steps
+        if args.eagle3_feature_weight:  # absent when 0, so runs from before the option resume unchanged
+            plan["eagle3_feature_weight"] = args.eagle3_feature_weight
     log(f"train: {len(data.train_rows):,} records ({sum(lengths):,} tokens), held-out {len(data.held_rows):,} "
         f"(evaluating {len(data.eval_rows)}); {total_steps:,} steps of {per_step} micro-batch(es) of <= "
         f"{args.batch_tokens} tokens; {world} process(es) on {data.train_src.device}")
@@ -1153,7 +1187,8 @@ class TrainRun:
             with sync:
                 if self.aux is not None:
                     loss, s = ttt_batch_loss(self.model, self.target, ids, amask, feats, steps=a.ttt_steps,
-                                             autocast=self.autocast, vocab=self.train_vocab, memo=src.memo(b))
+                                             autocast=self.autocast, vocab=self.train_vocab, memo=src.memo(b),
+                                             feature_weight=a.eagle3_feature_weight)
                 else:
                     loss, s = batch_loss(self.model, self.target, ids, amask, feats, noise=a.noise,
                                          weights=self.weights, generator=gen, autocast=self.autocast, vocab=self.train_vocab)
@@ -1269,7 +1304,9 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
         f"- Wall time: {state['wall_time'] / 60:.1f} min (all sessions)",
         (f"- Objective: EAGLE-3 training-time test: the head unrolled {args.ttt_steps} steps on its own outputs, "
          f"sum of {TTT_DECAY}^i x CE(target distribution) at step i; fused target layers "
-         f"{getattr(args, 'aux_layers_used', '')}; no feature loss, no noise"
+         f"{getattr(args, 'aux_layers_used', '')}; "
+         + (f"plus {args.eagle3_feature_weight} x SmoothL1(norm(output), target feature) at each step (not official); "
+            if args.eagle3_feature_weight else "no feature loss, ") + "no noise"
          + ("; norm and lm_head started as the target's" if args.eagle3_output_init == "target"
             and not args.init_head else "") if args.arch == "eagle3" else
          f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "

@@ -333,13 +333,68 @@ def test_ttt_losses_match_a_direct_computation():
                 if best % 2 == 0:  # draftable
                     p = torch.softmax(final[b, s] @ vocab[0].T, -1)
                     losses.append(float(-(p * logq).sum()))
-        mean, rows, top1, _top3, scored = got[i]
+        mean, rows, top1, _top3, scored, feature = got[i]
+        assert feature is None  # no feature term unless asked
         assert (rows, top1, scored) == (n, hits, len(losses) if i < 3 else 0), i
         if i < 3:
             assert float(mean) == pytest.approx(sum(losses) / len(losses), rel=1e-5), i
         else:
             assert mean is None  # evaluated beyond the K trained steps: accuracy only
     torch.set_grad_enabled(True)
+
+
+def test_eagle3_feature_term_is_the_smooth_l1_of_each_steps_normed_output_to_the_targets_next_feature():
+    """--eagle3-feature-weight W: each trained step's loss gains W x mean over its rows (every assistant
+    position s = t+1+i, draftable or not) of SmoothL1(head.norm(step-i output at t), target feature at s),
+    the feature whose LM-head readout is the step's cross-entropy target; steps past K stay accuracy-only."""
+    import contextlib
+    from eaglespec.train import ttt_losses
+    model, _ = eagle3_oracle_pair(logit_scale=3.0)
+    ids_draft = torch.arange(0, 320, 2)
+    head = random_eagle3_head(model.args, seed=7, draft_vocab=ids_draft).eval()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 320, (2, 12), generator=g)
+    amask = torch.rand(2, 12, generator=g) > 0.3
+    with torch.no_grad():
+        feats = torch.cat(model(ids, torch.arange(12)[None].expand(2, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
+        vocab = (model.lm_head.weight[ids_draft].contiguous(), ids_draft)
+        plain = ttt_losses(head, model, ids, amask, feats, 3, contextlib.nullcontext, vocab, depth=4)
+        mixed = ttt_losses(head, model, ids, amask, feats, 3, contextlib.nullcontext, vocab, depth=4, feature_weight=0.5)
+        outs = head(model.embed_tokens(torch.nn.functional.pad(ids[:, 1:], (0, 1))), feats[..., 64:], ttt_steps=4)
+        final = feats[..., :64]
+        for i in range(4):
+            want = [torch.nn.functional.smooth_l1_loss(head.norm(outs[i][b, t]), final[b, t + 1 + i]).item()
+                    for b in range(2) for t in range(12) if t + 1 + i < 12 and amask[b, t + 1 + i]]
+            if i < 3:
+                assert mixed[i][5] == pytest.approx(sum(want) / len(want), rel=1e-5), i
+                assert float(mixed[i][0]) == pytest.approx(float(plain[i][0]) + 0.5 * mixed[i][5], rel=1e-5), i
+            else:
+                assert mixed[i][0] is None and mixed[i][5] is None
+            assert mixed[i][1:5] == plain[i][1:5]  # the counts and hits do not change
+
+
+def test_eagle3_feature_term_trains_the_head_towards_the_targets_features():
+    import contextlib
+    from eaglespec.train import ttt_batch_loss
+    model, _ = eagle3_oracle_pair(logit_scale=3.0)
+    head = random_eagle3_head(model.args, seed=8, aux_layers=(1, 0, 1))
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 320, (4, 24), generator=g)
+    amask = torch.ones(4, 24, dtype=torch.bool)
+    with torch.no_grad():
+        feats = torch.cat(model(ids, torch.arange(24)[None].expand(4, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    seen = []
+    for _ in range(20):
+        loss, stats = ttt_batch_loss(head, model, ids, amask, feats, steps=4, autocast=contextlib.nullcontext,
+                                     feature_weight=1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        seen.append(stats)
+    assert seen[0]["feature_loss"] > 0 and seen[-1]["feature_loss"] < 0.7 * seen[0]["feature_loss"]
+    # the logged cross-entropy is the first step's alone, not the weighted sum
+    assert seen[-1]["ce_loss"] < seen[-1]["loss"] and seen[-1]["ce_loss"] > 0
 
 
 def test_bf16_autocast_runs_the_step_loss_and_the_targets_argmax_in_bf16(monkeypatch):
@@ -546,6 +601,22 @@ def test_eagle3_resume_as_another_arch_is_refused(e3, tmp_path, capsys):
     argv[argv.index("--ttt-steps") + 1] = "5"
     assert cli(*argv, "--out", out, "--resume") == 2
     assert "ttt_steps 3 -> 5" in capsys.readouterr().err
+
+
+def test_eagle3_feature_weight_run_logs_its_feature_loss_and_keeps_it_in_the_plan(e3, tmp_path, capsys):
+    tiny, chats, common, cli, ref = e3
+    argv = [str(a) for a in common]
+    argv[argv.index("--max-steps") + 1] = "3"
+    out = tmp_path / "fw"
+    assert cli(*argv, "--out", out, "--eagle3-feature-weight", 0.5) == 0
+    log = read_jsonl(out / "train_log.jsonl")
+    assert all(r["feature_loss"] > 0 for r in log)
+    assert "0.5 x SmoothL1(norm(output), target feature)" in (out / "card.md").read_text()
+    capsys.readouterr()  # the weight is part of the plan: resuming with another is refused
+    assert cli(*argv, "--out", out, "--resume", "--eagle3-feature-weight", 1) == 2
+    assert "eagle3_feature_weight 0.5 -> 1.0" in capsys.readouterr().err
+    assert cli(*argv, "--out", tmp_path / "neg", "--eagle3-feature-weight", -1) == 2
+    assert "--eagle3-feature-weight must be >= 0" in capsys.readouterr().err
 
 
 def test_eagle3_features_then_train_from_disk(e3, tmp_path, capsys):

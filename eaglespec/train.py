@@ -103,7 +103,10 @@ def add_cli(sub) -> None:
                         "learning rate follows the new schedule from the current step and OUT/head is overwritten")
     r.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps (and at each epoch end)")
     r.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (and at each epoch end)")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0, help="the head's initial weights, batch order and noise")
+    e.add_argument("--split-seed", type=int, default=None, metavar="S",
+                   help="seed of the held-out split (default: --seed); fix it to train with other seeds and still "
+                        "score every run on the same held-out conversations")
     r.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: die like a killed run
     add_autocast_arg(r, "the training steps (evaluation stays fp32 on a CPU, so held-out numbers compare)")
     p.set_defaults(func=run_train, parser=p)
@@ -121,7 +124,7 @@ def add_evaluate_cli(sub) -> None:
     e.add_argument("--held-out", type=float, default=0.05,
                    help="the held-out fraction the split was made with (a hash of each chat, as in train)")
     e.add_argument("--eval-conversations", type=int, default=40, help="held-out conversations evaluated")
-    e.add_argument("--seed", type=int, default=0, help="the split's seed (train's --seed)")
+    e.add_argument("--seed", type=int, default=0, help="the split's seed (train's --split-seed, else its --seed)")
     e.add_argument("--ttt-steps", type=int, default=7, metavar="K", help="eagle3 heads: the loss's unroll depth")
     e.add_argument("--answer-tokens", type=int, default=None, metavar="N",
                    help="score only the first N tokens of each assistant answer (a benchmark of N new tokens sees "
@@ -700,6 +703,11 @@ def parse_weights(args) -> tuple[float, float]:
     return fw, cw
 
 
+def split_seed(args) -> int:
+    """The held-out split's seed: --split-seed, else --seed (as before the option, so old runs resume)."""
+    return args.seed if getattr(args, "split_seed", None) is None else args.split_seed
+
+
 def validate(args) -> None:
     check_positive(max_conversations=args.max_conversations, max_len=args.max_len, batch_tokens=args.batch_tokens,
                    epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
@@ -1015,7 +1023,7 @@ def run_data(args, target, tokenizer, store, aux, rank: int, world: int, log) ->
         examples, summary = load_examples(tokenizer, args.data or "sharegpt", args.max_conversations, max_len, log=log)
         desc = f"{args.data or 'sharegpt'} (max-len {max_len}, features computed in the loop)"
         keys = [e.key for e in examples]
-    train_rows, held_rows = split(keys, args.seed, args.held_out)
+    train_rows, held_rows = split(keys, split_seed(args), args.held_out)
     if store is not None and args.max_conversations is not None:
         train_rows = first_conversations(train_rows, keys, args.max_conversations)
         log(f"--max-conversations {args.max_conversations}: training on the first {len(train_rows):,} train rows of "
@@ -1297,7 +1305,7 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
         f"- Loaded: {data_summary.removeprefix('data: ')}",
         # rows are records: a long chat split into parts is several, and the split keeps a chat's parts together
         f"- Split: {len(train_rows):,} train records ({train_tokens:,} tokens), {len(held_rows):,} held out "
-        f"(fraction {args.held_out}, seed {args.seed}); {len(eval_rows)} evaluated",
+        f"(fraction {args.held_out}, seed {split_seed(args)}); {len(eval_rows)} evaluated",
         f"- Steps: {state['step']:,} of {total_steps:,} ({args.epochs} epoch(s), {world} process(es) x grad-accum "
         f"{args.grad_accum}, <= {args.batch_tokens} padded tokens per micro-batch)",
         f"- Tokens seen: {state['tokens_seen']:,}",

@@ -299,21 +299,29 @@ def test_unroll_matches_drafting_through_the_cache():
                 assert torch.allclose(outs[i][0, start], fed[0, 0], atol=1e-5), (start, i)
 
 
+def draft_vocab_batch(seed: int):
+    """An oracle target, an EAGLE-3 head over the even ids, a 2 x 12 batch with random assistant masks, its
+    features and the draft LM-head rows."""
+    model, _ = eagle3_oracle_pair(logit_scale=3.0)
+    ids_draft = torch.arange(0, 320, 2)
+    head = random_eagle3_head(model.args, seed=7, draft_vocab=ids_draft).eval()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 320, (2, 12), generator=g)
+    amask = torch.rand(2, 12, generator=g) > 0.3
+    with torch.no_grad():
+        feats = torch.cat(model(ids, torch.arange(12)[None].expand(2, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
+    return model, head, ids, amask, feats, (model.lm_head.weight[ids_draft].contiguous().detach(), ids_draft)
+
+
 def test_ttt_losses_match_a_direct_computation():
     """Per step: mean over positions t whose fed token x_{t+1+i} is the assistant's and whose target
     best token is draftable, of CE(softmax over the draft vocabulary of the target's logits at
     t+1+i, the head's step-i distribution at t); hits against the full-vocabulary argmax."""
     import contextlib
     from eaglespec.train import ttt_losses
-    model, _ = eagle3_oracle_pair(logit_scale=3.0)
-    ids_draft = torch.arange(0, 320, 2)
-    head = random_eagle3_head(model.args, seed=7, draft_vocab=ids_draft).eval()
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, 320, (2, 12), generator=g)
-    amask = torch.rand(2, 12, generator=g) > 0.3
+    model, head, ids, amask, feats, vocab = draft_vocab_batch(3)
+    ids_draft = vocab[1]
     with torch.no_grad():
-        feats = torch.cat(model(ids, torch.arange(12)[None].expand(2, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
-        vocab = (model.lm_head.weight[ids_draft].contiguous(), ids_draft)
         got = ttt_losses(head, model, ids, amask, feats, 3, contextlib.nullcontext, vocab, depth=4)
         outs = head(model.embed_tokens(torch.nn.functional.pad(ids[:, 1:], (0, 1))), feats[..., 64:], ttt_steps=4)
     final = feats[..., :64]
@@ -349,15 +357,8 @@ def test_eagle3_feature_term_is_the_smooth_l1_of_each_steps_normed_output_to_the
     the feature whose LM-head readout is the step's cross-entropy target; steps past K stay accuracy-only."""
     import contextlib
     from eaglespec.train import ttt_losses
-    model, _ = eagle3_oracle_pair(logit_scale=3.0)
-    ids_draft = torch.arange(0, 320, 2)
-    head = random_eagle3_head(model.args, seed=7, draft_vocab=ids_draft).eval()
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 320, (2, 12), generator=g)
-    amask = torch.rand(2, 12, generator=g) > 0.3
+    model, head, ids, amask, feats, vocab = draft_vocab_batch(5)
     with torch.no_grad():
-        feats = torch.cat(model(ids, torch.arange(12)[None].expand(2, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
-        vocab = (model.lm_head.weight[ids_draft].contiguous(), ids_draft)
         plain = ttt_losses(head, model, ids, amask, feats, 3, contextlib.nullcontext, vocab, depth=4)
         mixed = ttt_losses(head, model, ids, amask, feats, 3, contextlib.nullcontext, vocab, depth=4, feature_weight=0.5)
         outs = head(model.embed_tokens(torch.nn.functional.pad(ids[:, 1:], (0, 1))), feats[..., 64:], ttt_steps=4)
@@ -373,7 +374,8 @@ def test_eagle3_feature_term_is_the_smooth_l1_of_each_steps_normed_output_to_the
             assert mixed[i][1:5] == plain[i][1:5]  # the counts and hits do not change
 
 
-def test_eagle3_feature_term_trains_the_head_towards_the_targets_features():
+def train_on_a_fixed_batch(feature_weight: float = 0.0, steps: int = 20):
+    """20 AdamW steps of an EAGLE-3 head (4 TTT steps) on one 4 x 24 batch; returns (head, each step's stats)."""
     import contextlib
     from eaglespec.train import ttt_batch_loss
     model, _ = eagle3_oracle_pair(logit_scale=3.0)
@@ -385,13 +387,18 @@ def test_eagle3_feature_term_trains_the_head_towards_the_targets_features():
         feats = torch.cat(model(ids, torch.arange(24)[None].expand(4, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
     seen = []
-    for _ in range(20):
+    for _ in range(steps):
         loss, stats = ttt_batch_loss(head, model, ids, amask, feats, steps=4, autocast=contextlib.nullcontext,
-                                     feature_weight=1.0)
+                                     feature_weight=feature_weight)
         opt.zero_grad()
         loss.backward()
         opt.step()
         seen.append(stats)
+    return head, seen
+
+
+def test_eagle3_feature_term_trains_the_head_towards_the_targets_features():
+    _, seen = train_on_a_fixed_batch(feature_weight=1.0)
     assert seen[0]["feature_loss"] > 0 and seen[-1]["feature_loss"] < 0.7 * seen[0]["feature_loss"]
     # the logged cross-entropy is the first step's alone, not the weighted sum
     assert seen[-1]["ce_loss"] < seen[-1]["loss"] and seen[-1]["ce_loss"] > 0
@@ -485,23 +492,8 @@ def test_fused_chain_attention_equals_the_written_out_one():
 
 
 def test_ttt_training_reduces_the_loss_on_a_fixed_batch():
-    import contextlib
-    from eaglespec.train import ttt_batch_loss
-    model, _ = eagle3_oracle_pair(logit_scale=3.0)
-    head = random_eagle3_head(model.args, seed=8, aux_layers=(1, 0, 1))
-    g = torch.Generator().manual_seed(4)
-    ids = torch.randint(0, 320, (4, 24), generator=g)
-    amask = torch.ones(4, 24, dtype=torch.bool)
-    with torch.no_grad():
-        feats = torch.cat(model(ids, torch.arange(24)[None].expand(4, -1), logits=False, aux_layers=head.aux_layers)[::2], -1)
-    opt = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    losses = []
-    for _ in range(20):
-        loss, stats = ttt_batch_loss(head, model, ids, amask, feats, steps=4, autocast=contextlib.nullcontext)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(stats["loss"])
+    head, seen = train_on_a_fixed_batch()
+    losses, stats = [s["loss"] for s in seen], seen[-1]
     assert stats["n"] == 4 * 23 and stats["feature_loss"] == 0.0
     assert all(p.grad is not None for p in head.parameters())  # lm_head and norm are trained too
     assert losses[-1] < 0.85 * losses[0] and losses == sorted(losses, reverse=True), losses

@@ -337,14 +337,14 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
 
     Step i at position t is fed x_{t+1+i} and drafts x_{t+2+i}: it is scored where s = t+1+i is a
     row of `ttt_targets`. Returns per step (mean loss over its scored rows or None, scored rows,
-    top-1 hits, top-3 hits) for max(steps, depth) steps; hits count every row of s (accuracy is over
+    top-1 hits, top-3 hits, rows in the loss, feature loss or None) for max(steps, depth) steps; hits count every row of s (accuracy is over
     the whole vocabulary: a best token outside the draft vocabulary is a miss), loss only the
     draftable ones (official). `head` may be a DDP wrapper of an Eagle3Head.
 
     feature_weight > 0 adds, to each trained step's mean, that weight times the SmoothL1 between
     head.norm(output) and the target's feature at s over every row: the dense regression target that
     EAGLE-1 learns from, tried because EAGLE-3 heads trained here lag EAGLE-1 at depth 1 on few tokens.
-    The mean then carries a sixth item, the step's feature loss (None when the weight is 0)."""
+    The sixth item is that step's feature loss (None when the weight is 0)."""
     module = getattr(head, "module", head)
     h = target_model.args.hidden_size
     rows, p, best, draftable = ttt_targets(target_model, ids, amask, feats, vocab, memo=memo)
@@ -353,12 +353,8 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
     with torch.no_grad():
         embeds = target_model.embed_tokens(tok_in)
     n_steps = max(steps, depth)
-    memo_final = []
-
-    def final_rows():  # the target's feature at each row, as ttt_targets orders them; built once, if asked
-        if not memo_final:
-            memo_final.append(feats[..., :h][rows >= 0].float())
-        return memo_final[0]
+    # the target's feature at each row, in ttt_targets' order: the feature term's regression targets
+    final = feats[..., :h][rows >= 0].float() if feature_weight else None
 
     with autocast():
         outs = head(embeds, feats[..., h:].float(), ttt_steps=n_steps)
@@ -381,7 +377,7 @@ def ttt_losses(head, target_model, ids, amask, feats, steps: int, autocast, voca
             mean = loss / n_loss if n_loss else module.draft_logits(out[:1, :1]).sum() * 0.0
             if feature_weight and int(sel.sum()):
                 # the target's feature at s = the one it drafts x_{s+1} from; the step's output at t drafts it too
-                fl = F.smooth_l1_loss(module.norm(out[sel].float()), final_rows()[idx],
+                fl = F.smooth_l1_loss(module.norm(out[sel].float()), final[idx],
                                       reduction="none").mean(-1).mean()
                 mean = mean + feature_weight * fl
                 feature = float(fl.detach())

@@ -13,6 +13,7 @@ an interrupted run resumes by skipping finished shards.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import sys
@@ -48,9 +49,15 @@ def autocast_for(device: torch.device, choice: str) -> Callable[[], ContextManag
     if choice == "off" or (choice == "auto" and device.type != "cuda"):
         return contextlib.nullcontext
     if device.type == "cpu" and not cpu_has_bf16():
-        print("eaglespec: this CPU has no bf16 instructions (AVX512_BF16 or AMX): --autocast bf16 will be slower "
-              "than fp32 here", file=sys.stderr)
+        _warn_slow_bf16()
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@functools.cache
+def _warn_slow_bf16() -> None:
+    """Once per process: training asks for the context twice (its steps, its in-loop target forward)."""
+    print("eaglespec: this CPU has no bf16 instructions (AVX512_BF16 or AMX): --autocast bf16 will be slower "
+          "than fp32 here", file=sys.stderr)
 
 
 def cpu_has_bf16() -> bool:

@@ -550,8 +550,12 @@ def eval_metrics(sums: torch.Tensor, depth: int = EVAL_DEPTHS) -> dict:
 class InLoopSource:
     """Tokenized conversations; the target computes their features per batch (cached if asked)."""
 
-    def __init__(self, examples, target_model, cache: bool = False, aux_layers=None):
+    def __init__(self, examples, target_model, cache: bool = False, aux_layers=None, autocast=contextlib.nullcontext):
+        """autocast: the context of the target's forward. Training passes its --autocast, so that
+        `train --data D --autocast bf16` computes the features as `features --autocast bf16` stores them
+        (the forward is most of an in-loop step on a CPU); evaluation keeps the fp32 default."""
         self.examples, self.target, self.cache = examples, target_model, {} if cache else None
+        self.autocast = autocast
         self.aux_layers = aux_layers  # EAGLE-3: the features then the three layers, (B, T, 4H)
         self.lengths = [len(e.ids) for e in examples]
         self.device = target_model.embed_tokens.weight.device
@@ -566,8 +570,8 @@ class InLoopSource:
         key = tuple(idx)
         if self.cache is not None and key in self.cache:
             return ids, amask, self.cache[key]
-        with torch.no_grad():
-            feats = target_features(self.target, ids, self.aux_layers)
+        with torch.no_grad(), self.autocast():
+            feats = target_features(self.target, ids, self.aux_layers).float()
         if self.cache is not None:
             self.cache[key] = feats
         return ids, amask, feats
@@ -1032,7 +1036,10 @@ def run_data(args, target, tokenizer, store, aux, rank: int, world: int, log) ->
         width = None if aux is not None else target.args.hidden_size
         train_src, eval_src = StoredSource(store, train_rows, device, width), StoredSource(store, eval_rows, device, width)
     else:
-        train_src = InLoopSource([examples[i] for i in train_rows], target, aux_layers=aux)
+        # a target already in bf16 (CUDA's default) is unchanged by autocast, as in `features`
+        fwd_autocast = autocast_for(device, args.autocast) if target.embed_tokens.weight.dtype == torch.float32 \
+            else contextlib.nullcontext
+        train_src = InLoopSource([examples[i] for i in train_rows], target, aux_layers=aux, autocast=fwd_autocast)
         eval_src = InLoopSource([examples[i] for i in eval_rows], target, cache=True, aux_layers=aux)
     # Several attention score matrices of (batch, heads, T, T) live at once in the unrolled evaluation.
     eval_batches = make_batches(eval_src.lengths, max(max(eval_src.lengths, default=1), args.batch_tokens // 4),

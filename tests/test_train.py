@@ -364,6 +364,32 @@ def test_bf16_autocast_features_and_training_follow_fp32(tiny, chats, tmp_path):
     assert [r["loss"] for r in runs["bf16"]] != [s["loss"] for s in runs["fp32"]]
 
 
+def test_in_loop_features_follow_autocast(tiny, chats, target, tmp_path):
+    """`train --data D --autocast bf16` runs the target's forward in bf16 too, as `features --autocast bf16`
+    does (on a CPU that forward is most of an in-loop step); its held-out yardstick stays fp32."""
+    from eaglespec.cli import build_parser
+    from eaglespec.features import target_features
+    from eaglespec.train import run_data
+    tokenizer = load_tokenizer(tiny)
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    feats = {}
+    for choice in ("auto", "bf16"):
+        args = build_parser().parse_args(["train", "--model", str(tiny), "--data", str(chats), "--out",
+                                          str(tmp_path / choice), "--max-conversations", "16", "--autocast", choice])
+        data = run_data(args, target, tokenizer, None, None, 0, 1, lambda *a, **k: None)
+        ids, _, feats[choice] = data.train_src.batch([0, 1])
+        eval_ids, _, eval_feats = data.eval_src.batch([0])
+        with torch.no_grad():
+            assert torch.equal(eval_feats, target_features(target, eval_ids))  # fp32 either way
+            with bf16():
+                ref16 = target_features(target, ids).float()
+            ref32 = target_features(target, ids)
+        assert feats[choice].dtype == torch.float32
+        assert torch.equal(feats[choice], ref16 if choice == "bf16" else ref32)
+    rel = (feats["bf16"] - feats["auto"]).norm(dim=-1) / feats["auto"].norm(dim=-1)
+    assert 1e-3 < rel.median() < 3e-2, rel.median()  # it took effect, and it is only rounding
+
+
 def test_features_grow_with_more_conversations(tiny, chats, tmp_path):
     """Rerunning with a larger --max-conversations keeps the shards that hold the same conversations."""
     feats = tmp_path / "grow"

@@ -30,6 +30,8 @@ import math
 import os
 import shlex
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,6 +110,8 @@ def add_cli(sub) -> None:
                    help="seed of the held-out split (default: --seed); fix it to train with other seeds and still "
                         "score every run on the same held-out conversations")
     r.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)  # tests: die like a killed run
+    # tests: the process sends itself SIGINT after this step, as a Ctrl-C would arrive
+    r.add_argument("--signal-after", type=int, default=None, help=argparse.SUPPRESS)
     add_autocast_arg(r, "the training steps (evaluation stays fp32 on a CPU, so held-out numbers compare)")
     p.set_defaults(func=run_train, parser=p)
     add_evaluate_cli(sub)
@@ -139,7 +143,7 @@ def command_line(args, world: int) -> str:
                                                        "eaglespec.cli", "train"]
     for action in args.parser._actions:
         value = getattr(args, action.dest, None)
-        if not action.option_strings or action.dest in ("help", "stop_after") or value == action.default:
+        if not action.option_strings or action.dest in ("help", "stop_after", "signal_after") or value == action.default:
             continue
         parts += [action.option_strings[-1]] if value is True else [action.option_strings[-1], str(value)]
     return shlex.join(parts)
@@ -1114,7 +1118,13 @@ def _train(args, weights, rank: int, world: int) -> int:
     sched = schedule(args, data, aux, world, log)
     head, draft_vocab, coverage, state, saved = starting_head(args, target, data, aux, init, ckpt, out, sched, log)
     run = TrainRun(args, weights, rank, world, target, head, aux, data, sched, state, saved, out)
-    if not run.loop(log):
+    with StopOnSignal() as stop:
+        finished = run.loop(log, stop)
+    if run.stopped_by is not None:
+        log(f"train: interrupted ({signal.Signals(run.stopped_by).name}) after step {state['step']}, checkpoint saved in "
+            f"{out}: rerun the same command with --resume to continue", flush=True)  # torchrun may kill us soon
+        return 128 + run.stopped_by  # the shell's convention for a signalled process
+    if not finished:
         return 0
     if os.environ.get("EAGLESPEC_TEST_CHECKSUM_DIR"):  # tests: does every rank hold the same weights?
         write_checksum(Path(os.environ["EAGLESPEC_TEST_CHECKSUM_DIR"]), run.head, rank, state["step"])
@@ -1124,6 +1134,32 @@ def _train(args, weights, rank: int, world: int) -> int:
                    None if draft_vocab is None else (draft_vocab.numel(), coverage))
         log(f"done: {state['step']} steps, {state['tokens_seen']:,} tokens, {state['wall_time']:.0f} s; head in {out / 'head'}")
     return 0
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM (Ctrl-C, a scheduler's stop, the end of a session) ask the loop to finish its step, save a
+    checkpoint and exit, instead of losing up to --save-every steps. A second signal falls back to the old
+    handler, so an impatient Ctrl-C still kills. Only in the main thread (where Python delivers signals)."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = signum
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> "StopOnSignal":
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class TrainRun:
@@ -1156,6 +1192,7 @@ class TrainRun:
         self.extra = {"eaglespec": {"target": args.model or "default", "data": data.desc}}
         self.resumed = saved is not None
         self.last_eval: dict = {}
+        self.stopped_by: int | None = None  # the signal that stopped the loop (on any rank)
         self.marks = {"eval": None, "save": state["step"] if self.resumed else None}  # steps last evaluated / saved
 
     def evaluate(self, tag: str) -> None:
@@ -1187,10 +1224,10 @@ class TrainRun:
                                                             "micro_batches_per_step": self.sched.per_step,
                                                             "plan": self.sched.plan}, self.extra)
 
-    def step(self, epoch: int, micro) -> tuple[torch.Tensor, float]:
+    def step(self, epoch: int, micro, stop: "StopOnSignal | None" = None) -> tuple[torch.Tensor, float]:
         """One optimizer step over this rank's micro-batches; the statistics summed over ranks."""
         a, src = self.args, self.data.train_src
-        stats = torch.zeros(7, dtype=torch.float64)  # loss, feat, ce, top1, top3, n, tokens
+        stats = torch.zeros(8, dtype=torch.float64)  # loss, feat, ce, top1, top3, n, tokens, signals received
         for j, (number, b) in enumerate(micro):
             ids, amask, feats = src.batch(b)
             gen = torch.Generator().manual_seed(a.seed * 1_000_003 + epoch * 10_000_019 + number)
@@ -1204,11 +1241,14 @@ class TrainRun:
                     loss, s = batch_loss(self.model, self.target, ids, amask, feats, noise=a.noise,
                                          weights=self.weights, generator=gen, autocast=self.autocast, vocab=self.train_vocab)
                 (loss / a.grad_accum).backward()
-            stats += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
+            stats[:7] += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
                                    sum(src.lengths[i] for i in b)], dtype=torch.float64)
         grad_norm = clip_gradients(self.head.parameters(), a.clip, a.clip_mode)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        # A signal reaches the ranks at different moments; summed with the statistics, every rank sees the
+        # same verdict after the same step, at no extra collective.
+        stats[7] = float(stop.signum or 0) if stop is not None else 0.0
         if self.world > 1:
             import torch.distributed as dist
             dist.all_reduce(stats)
@@ -1228,8 +1268,9 @@ class TrainRun:
                              lr=f"{lr:.2e}", tok_s=f"{rate:.0f}", refresh=False)
         self.bar.update(1)
 
-    def loop(self, log) -> bool:
-        """Run the remaining steps; evaluate and save at the end. False if --stop-after stopped it first."""
+    def loop(self, log, stop: "StopOnSignal | None" = None) -> bool:
+        """Run the remaining steps; evaluate and save at the end. False if --stop-after or a signal (`stop`)
+        stopped it first; after a signal the checkpoint is at the last step run."""
         from tqdm import tqdm
         a, state, sched, rank = self.args, self.state, self.sched, self.rank
         if rank == 0:
@@ -1251,7 +1292,7 @@ class TrainRun:
                 for g in self.opt.param_groups:
                     g["lr"] = lr
                 stats, grad_norm = self.step(epoch, rank_batches(sched.epoch_batches[epoch], step_in_epoch, rank,
-                                                                 self.world, a.grad_accum))
+                                                                 self.world, a.grad_accum), stop)
                 state["step"] += 1
                 state["step_in_epoch"] = step_in_epoch + 1
                 state["tokens_seen"] += int(stats[6])
@@ -1271,6 +1312,16 @@ class TrainRun:
                 if a.stop_after and state["step"] >= a.stop_after:
                     self.bar.close()
                     log(f"stopping after step {state['step']} as asked (--stop-after), without a final save")
+                    return False
+                if a.signal_after and state["step"] == a.signal_after and rank == self.world - 1:
+                    os.kill(os.getpid(), signal.SIGINT)  # the last rank only: a signal that reaches one rank first
+                if stats[7] > 0:
+                    # this rank's own signal, else the one another rank received (one rank: the sum is it)
+                    self.stopped_by = stop.signum or (int(stats[7]) if int(stats[7]) in StopOnSignal.SIGNALS
+                                                      else int(signal.SIGTERM))
+                    if self.marks["save"] != state["step"]:
+                        self.save()
+                    self.bar.close()
                     return False
             if state["step"] >= sched.total_steps:
                 break

@@ -58,3 +58,26 @@ def ddp_matches_grad_accum(tmp_path, extra: list[str], steps: int) -> str:
 def test_two_process_ddp_matches_one_process_with_grad_accum(tmp_path):
     card = ddp_matches_grad_accum(tmp_path, [], steps=4)
     assert "torchrun --nproc_per_node 2" in card and "2 process(es)" in card
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """A signal that reaches rank 1 alone (rank 0 never sees one) still stops both ranks after the same step,
+    rank 0 checkpoints it, and a resume under torchrun finishes with both ranks bit-identical."""
+    tiny = make_tiny_checkpoint(tmp_path / "tiny")
+    chats = write_chats(tmp_path / "chats.jsonl", n=40)
+    args = ["--model", str(tiny), "--data", str(chats), "--batch-tokens", "256", "--lr", "2e-3", "--warmup-steps", "1",
+            "--max-steps", "6", "--save-every", "10", "--seed", "2", "--device", "cpu", "--eval-conversations", "2",
+            "--out", str(tmp_path / "ddp")]
+    env = {**os.environ, "EAGLESPEC_TEST_CHECKSUM_DIR": str(tmp_path / "sums"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "eaglespec.cli", "train", *args]
+    proc = subprocess.run([*cmd, "--signal-after", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "interrupted (SIGINT) after step 3" in proc.stdout, proc.stderr[-3000:]
+    state = torch.load(tmp_path / "ddp" / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == 3
+    proc = subprocess.run([*cmd, "--resume"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / "sums" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["step"] == r1["step"] == 6 and r0["sha256"] == r1["sha256"]
+    log = [json.loads(x) for x in (tmp_path / "ddp" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 7))

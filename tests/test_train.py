@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import signal
 
 import pytest
 import torch
@@ -258,6 +259,29 @@ def test_resume_after_a_kill_continues_on_the_same_curve(tiny, chats, tmp_path, 
     for r, s in zip(first + log[5:], ref):
         assert r["loss"] == pytest.approx(s["loss"], rel=1e-5, abs=1e-6), r["step"]
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [m["step"] for m in read_jsonl(trained / "metrics.jsonl")]
+    a = load_file(str(out / "head" / "model.safetensors"))
+    b = load_file(str(trained / "head" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_signal_saves_at_the_step_and_resume_continues_the_same_curve(tiny, chats, tmp_path, trained, capsys):
+    """Ctrl-C or SIGTERM mid-run: the step in progress finishes, a checkpoint is written at it (not at the last
+    --save-every mark), the exit code says which signal, and --resume continues on the uninterrupted curve."""
+    out = tmp_path / "signalled"
+    args = common(tiny, chats, out, "--epochs", 2, "--eval-every", 4, "--save-every", 3)
+    before = signal.getsignal(signal.SIGINT)
+    assert cli(*args, "--signal-after", 4) == 128 + signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is before  # the handler is the caller's again
+    msg = capsys.readouterr().out.strip().splitlines()[-1]
+    assert msg.startswith("train: interrupted (SIGINT) after step 5") and "--resume" in msg
+    first = read_jsonl(out / "train_log.jsonl")
+    state = torch.load(out / "checkpoint" / "state.pt", weights_only=True)
+    assert first[-1]["step"] == state["step"] == 5  # the signal arrived in step 5; saved there, not at step 3
+    assert cli(*args, "--resume") == 0
+    log, ref = read_jsonl(out / "train_log.jsonl"), read_jsonl(trained / "train_log.jsonl")
+    assert [r["step"] for r in log] == [r["step"] for r in ref]
+    for r, s in zip(log, ref):
+        assert r["loss"] == pytest.approx(s["loss"], rel=1e-5, abs=1e-6), r["step"]
     a = load_file(str(out / "head" / "model.safetensors"))
     b = load_file(str(trained / "head" / "model.safetensors"))
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

@@ -1242,7 +1242,7 @@ class TrainRun:
                                          weights=self.weights, generator=gen, autocast=self.autocast, vocab=self.train_vocab)
                 (loss / a.grad_accum).backward()
             stats[:7] += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
-                                   sum(src.lengths[i] for i in b)], dtype=torch.float64)
+                                       sum(src.lengths[i] for i in b)], dtype=torch.float64)
         grad_norm = clip_gradients(self.head.parameters(), a.clip, a.clip_mode)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -10,6 +10,9 @@ OUT=${OUT:-runs/s20/head-v8}
 mkdir -p runs/s20
 DATA=runs/s20/regen-0-227.jsonl.gz
 [ -f $DATA ] || for i in $(seq -f %05g 0 227); do cat corpora/smollm2-135m-instruct/regen/shard-$i.jsonl.gz; done > $DATA
+# a new checkout: continue from the checkpoint committed at the end of the last session that ran this
+KEPT=checkpoints/head-v8-s20
+if [ ! -d $OUT/checkpoint ] && [ -d $KEPT/checkpoint ]; then mkdir -p $OUT && cp -r $KEPT/. $OUT/; fi
 RESUME=$([ -d $OUT/checkpoint ] && echo --resume || true)
 .venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct --out $OUT \
   --epochs 1 --batch-tokens 4096 --lr 2e-4 --warmup-steps 20 --save-every 50 --eval-conversations 40 \

@@ -53,6 +53,14 @@ def autocast_for(device: torch.device, choice: str) -> Callable[[], ContextManag
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def forward_autocast(target, choice: str) -> Callable[[], ContextManager]:
+    """The autocast of the target's forward: a target already in bf16 (CUDA's default) is unchanged by it,
+    so there is nothing to turn on (or to record in a store's manifest)."""
+    if target.embed_tokens.weight.dtype != torch.float32:
+        return contextlib.nullcontext
+    return autocast_for(target.embed_tokens.weight.device, choice)
+
+
 @functools.cache
 def _warn_slow_bf16() -> None:
     """Once per process: training asks for the context twice (its steps, its in-loop target forward)."""
@@ -223,9 +231,7 @@ def run_features(args) -> int:
     aux = parse_aux_layers(args.aux_layers, target.args.num_hidden_layers) if args.arch == "eagle3" else None
     forward = compiled_forward(target) if resolve_compile(args) else target
     device = target.embed_tokens.weight.device
-    # a target already in bf16 (CUDA's default) is unchanged by autocast: nothing to record
-    autocast = autocast_for(device, args.autocast) if target.embed_tokens.weight.dtype == torch.float32 \
-        else contextlib.nullcontext
+    autocast = forward_autocast(target, args.autocast)
     examples, summary = load_examples(tokenizer, data, args.max_conversations, max_len, skip=skip)
     shards = [examples[i:i + args.shard_size] for i in range(0, len(examples), args.shard_size)]
     manifest = {

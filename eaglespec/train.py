@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .data import make_batches, split
 from .features import (FeatureStore, add_arch_args, add_autocast_arg, add_data_args, add_model_args, autocast_for,
-                       check_positive, load_examples, load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
+                       forward_autocast, check_positive, load_examples, load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
 from .head import EagleHead, _rotated_qkv, load_head, random_eagle3_head, random_head
 
 EVAL_DEPTHS = 4
@@ -1040,10 +1040,8 @@ def run_data(args, target, tokenizer, store, aux, rank: int, world: int, log) ->
         width = None if aux is not None else target.args.hidden_size
         train_src, eval_src = StoredSource(store, train_rows, device, width), StoredSource(store, eval_rows, device, width)
     else:
-        # a target already in bf16 (CUDA's default) is unchanged by autocast, as in `features`
-        fwd_autocast = autocast_for(device, args.autocast) if target.embed_tokens.weight.dtype == torch.float32 \
-            else contextlib.nullcontext
-        train_src = InLoopSource([examples[i] for i in train_rows], target, aux_layers=aux, autocast=fwd_autocast)
+        train_src = InLoopSource([examples[i] for i in train_rows], target, aux_layers=aux,
+                                 autocast=forward_autocast(target, args.autocast))
         eval_src = InLoopSource([examples[i] for i in eval_rows], target, cache=True, aux_layers=aux)
     # Several attention score matrices of (batch, heads, T, T) live at once in the unrolled evaluation.
     eval_batches = make_batches(eval_src.lengths, max(max(eval_src.lengths, default=1), args.batch_tokens // 4),

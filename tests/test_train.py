@@ -457,6 +457,26 @@ def test_bad_input_gives_one_line_errors(tiny, chats, tmp_path, trained, capsys)
     assert "does not fit the target" in msg and "hidden_size" in msg
 
 
+def test_expected_acceptance_is_the_rejection_samplers_acceptance_rate():
+    """sum_v min(p, q) is what one draft token sampled from q is accepted with at T = 1: checked against
+    the rejection rule run on samples, with a draft vocabulary (q is zero outside it, p is the target's
+    distribution over the whole vocabulary); a draft equal to the target is always accepted."""
+    from eaglespec.train import expected_acceptance
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(40, 8, generator=g)
+    ids = torch.tensor([0, 3, 5, 7, 11, 13, 17, 19, 23, 29])
+    pred, tgt = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    got = expected_acceptance(pred, tgt, full[ids].contiguous(), ids, full)
+    q = torch.softmax(pred @ full[ids].T, -1)
+    p = torch.softmax(tgt @ full.T, -1)[:, ids]
+    x = torch.multinomial(q, 200_000, replacement=True, generator=g)
+    accepted = torch.rand(x.shape, generator=g) < (p.gather(1, x) / q.gather(1, x)).clamp(max=1)
+    assert got == pytest.approx(float(accepted.float().mean(1).sum()), abs=0.01)
+    # the target's mass outside the draft vocabulary is never accepted
+    assert got <= float(p.sum()) + 1e-6 and float(p.sum()) < 3 - 0.1
+    assert expected_acceptance(tgt, tgt, full) == pytest.approx(3.0, abs=1e-5)
+
+
 def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny, chats, tmp_path, capsys):
     """`eaglespec evaluate` rebuilds train's held-out split and evaluation: on the run's own data it gives
     the run's last held-out numbers, so it can score any head on any corpus with the same yardstick."""
@@ -464,8 +484,9 @@ def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny
     assert cli("evaluate", "--model", tiny, "--head", trained / "head", "--data", chats, "--batch-tokens", 384,
                "--seed", 1, "--eval-conversations", 32, "--json", out) == 0
     got, last = json.loads(out.read_text()), read_jsonl(trained / "metrics.jsonl")[-1]
-    for k in ("top1", "top3", "top1_depth2", "top1_depth3", "top1_depth4", "tokens"):
+    for k in ("top1", "top3", "top1_depth2", "top1_depth3", "top1_depth4", "accept_t1", "tokens"):
         assert got[k] == pytest.approx(last[k], abs=1e-4), k
+    assert 0 < got["accept_t1"] < 1
     assert "held-out" in capsys.readouterr().out
     # a random head scores lower on the same positions: the numbers measure the head
     rnd = tmp_path / "rnd"
@@ -473,7 +494,8 @@ def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny
     random_head(model.args, seed=3).save(rnd)
     assert cli("evaluate", "--model", tiny, "--head", rnd, "--data", chats, "--batch-tokens", 384, "--seed", 1,
                "--eval-conversations", 32, "--json", out) == 0
-    assert json.loads(out.read_text())["top1"] < got["top1"]
+    rnd_res = json.loads(out.read_text())
+    assert rnd_res["top1"] < got["top1"] and rnd_res["accept_t1"] < got["accept_t1"]
     # --answer-tokens: the same head on each answer's first 4 tokens only: fewer positions, other numbers
     assert cli("evaluate", "--model", tiny, "--head", trained / "head", "--data", chats, "--batch-tokens", 384,
                "--seed", 1, "--eval-conversations", 32, "--answer-tokens", 4, "--json", out) == 0

@@ -188,20 +188,27 @@ def soft_ce(pred, target, weight, want_grad: bool = True, draft_ids=None, full_w
 
 
 @torch.no_grad()
-def expected_acceptance(pred, target, weight, draft_ids=None, full_weight=None) -> float:
-    """Sum over rows of sum_v min(p(v), q(v)): the chance that a token sampled from the draft's q is accepted
-    by rejection sampling against the target's p at T = 1, the depth-1 acceptance a sampled draft gets.
-    Top-1 says nothing of it: a head can rank better and still spread q worse. p is the target's
-    distribution over its whole vocabulary (`full_weight`), q is zero outside the draft vocabulary."""
+def expected_acceptance(pred, target, weight, draft_ids=None, full_weight=None) -> torch.Tensor:
+    """Sums over rows of how often the target accepts the head's first draft at T = 1 (depth-1 acceptance,
+    which top-1 does not show: a head can rank better and still spread q worse), as three numbers:
+    - sum_v min(p(v), q(v)): a token sampled from the draft's q, accepted by rejection sampling (the rule of
+      engines that sample their drafts, such as vLLM's);
+    - p(top-1 of q) and p(top-3 of q): deterministic candidates, accepted as `verify` does (child x with
+      probability p(x), then p renormalised without it), so k candidates are accepted with their total mass.
+    p is the target's distribution over its whole vocabulary (`full_weight`), q is zero outside the draft
+    vocabulary."""
     full = weight if full_weight is None else full_weight
-    total = torch.zeros((), dtype=torch.float64, device=pred.device)
+    total = torch.zeros(3, dtype=torch.float64, device=pred.device)
+    k = min(3, weight.shape[0])
     for s in range(0, pred.shape[0], CE_CHUNK):
-        q = torch.softmax(_logits(pred[s:s + CE_CHUNK], weight), -1)
+        zq = _logits(pred[s:s + CE_CHUNK], weight)
+        q = torch.softmax(zq, -1)
         p = torch.softmax(_logits(target[s:s + CE_CHUNK], full), -1)
         if draft_ids is not None and full_weight is not None:
             p = p[:, draft_ids]
-        total += torch.minimum(p, q).sum(dtype=torch.float64)
-    return float(total)
+        top = p.gather(1, zq.topk(k, -1).indices)
+        total += torch.stack((torch.minimum(p, q).sum(), top[:, 0].sum(), top.sum())).double()
+    return total
 
 
 class SoftCrossEntropy(torch.autograd.Function):
@@ -523,8 +530,8 @@ def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], we
     head.eval()
     full = target_model.lm_head.weight
     w, draft_ids = vocab or (full, None)
-    # loss, feat, ce, n, top3, top1 at each depth, then the expected acceptance at T = 1
-    sums = torch.zeros(6 + depth, dtype=torch.float64)
+    # loss, feat, ce, n, top3, top1 at each depth, then the three acceptances at T = 1
+    sums = torch.zeros(8 + depth, dtype=torch.float64)
     for b in batches:
         ids, amask, feats = source.batch(b)
         tok_in, counted, target = shift_inputs(ids, amask, feats)
@@ -543,7 +550,7 @@ def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], we
         sums[3] += n
         sums[4] += int(hits[1])
         sums[5] += int(hits[0])
-        sums[5 + depth] += expected_acceptance(p, t, w, draft_ids, full)
+        sums[5 + depth:] += expected_acceptance(p, t, w, draft_ids, full)
         pos = torch.arange(ids.shape[1], device=ids.device)[None].expand_as(sel)[sel]
         for k in range(2, depth + 1):
             valid = pos >= k - 1
@@ -564,7 +571,8 @@ def eval_metrics(sums: torch.Tensor, depth: int = EVAL_DEPTHS) -> dict:
     for k in range(2, depth + 1):
         out[f"top1_depth{k}"] = sums[4 + k] / n
     if len(sums) > 5 + depth:  # EAGLE-1 evaluation only (an EAGLE-3 head's sums stop at depth)
-        out["accept_t1"] = sums[5 + depth] / n
+        for i, name in enumerate(("accept_t1_sampled", "accept_t1_top1", "accept_t1_top3")):
+            out[name] = sums[5 + depth + i] / n
     out = {k: round(float(v), 5) for k, v in out.items()}
     out["tokens"] = int(sums[3])
     return out
@@ -984,7 +992,8 @@ def run_evaluate(args) -> int:
     where = f"the first {args.answer_tokens} tokens of each answer, " if args.answer_tokens else ""
     print(f"held-out ({len(rows)} conversations, {where}{res['tokens']:,} positions of {desc}): top1 {res['top1']:.3f} "
           f"top3 {res['top3']:.3f} " + " ".join(f"d{k} {res[f'top1_depth{k}']:.3f}" for k in range(2, EVAL_DEPTHS + 1))
-          + (f" accept@T1 {res['accept_t1']:.3f}" if "accept_t1" in res else ""))
+          + (" | accepted at T=1: sampled draft {:.3f}, top-1 {:.3f}, top-3 {:.3f}".format(
+              res["accept_t1_sampled"], res["accept_t1_top1"], res["accept_t1_top3"]) if "accept_t1_top1" in res else ""))
     if args.json:
         Path(args.json).expanduser().write_text(json.dumps(res, indent=1) + "\n")
     return 0

@@ -457,24 +457,42 @@ def test_bad_input_gives_one_line_errors(tiny, chats, tmp_path, trained, capsys)
     assert "does not fit the target" in msg and "hidden_size" in msg
 
 
-def test_expected_acceptance_is_the_rejection_samplers_acceptance_rate():
-    """sum_v min(p, q) is what one draft token sampled from q is accepted with at T = 1: checked against
-    the rejection rule run on samples, with a draft vocabulary (q is zero outside it, p is the target's
-    distribution over the whole vocabulary); a draft equal to the target is always accepted."""
+def test_expected_acceptance_is_what_the_rejection_rules_accept():
+    """The three depth-1 acceptances at T = 1, checked against the rules run on samples, with a draft
+    vocabulary (q is zero outside it, p is the target's distribution over the whole vocabulary):
+    sum min(p, q) for a token sampled from q and accepted with min(1, p/q); for q's top-1 and top-3 as
+    deterministic candidates, `verify`'s rule (accept x with p(x), else drop it and renormalise)."""
     from eaglespec.train import expected_acceptance
     g = torch.Generator().manual_seed(0)
     full = torch.randn(40, 8, generator=g)
     ids = torch.tensor([0, 3, 5, 7, 11, 13, 17, 19, 23, 29])
     pred, tgt = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
-    got = expected_acceptance(pred, tgt, full[ids].contiguous(), ids, full)
+    sampled, top1, top3 = expected_acceptance(pred, tgt, full[ids].contiguous(), ids, full).tolist()
     q = torch.softmax(pred @ full[ids].T, -1)
-    p = torch.softmax(tgt @ full.T, -1)[:, ids]
-    x = torch.multinomial(q, 200_000, replacement=True, generator=g)
+    p_full = torch.softmax(tgt @ full.T, -1)
+    p = p_full[:, ids]
+    n = 200_000
+    x = torch.multinomial(q, n, replacement=True, generator=g)
     accepted = torch.rand(x.shape, generator=g) < (p.gather(1, x) / q.gather(1, x)).clamp(max=1)
-    assert got == pytest.approx(float(accepted.float().mean(1).sum()), abs=0.01)
-    # the target's mass outside the draft vocabulary is never accepted
-    assert got <= float(p.sum()) + 1e-6 and float(p.sum()) < 3 - 0.1
-    assert expected_acceptance(tgt, tgt, full) == pytest.approx(3.0, abs=1e-5)
+    assert sampled == pytest.approx(float(accepted.float().mean(1).sum()), abs=0.01)
+    cands = ids[q.topk(3, -1).indices]  # target-vocabulary ids of q's top 3
+    trials, first, any_ = 4000, 0, 0
+    for row in range(3):
+        for _ in range(trials):
+            left = p_full[row].clone()
+            for j, c in enumerate(cands[row].tolist()):
+                if float(torch.rand((), generator=g)) < float(left[c]):
+                    first += j == 0
+                    any_ += 1
+                    break
+                left[c] = 0.0
+                left /= left.sum()
+    assert top1 == pytest.approx(first / trials, abs=0.04)
+    assert top3 == pytest.approx(any_ / trials, abs=0.05)
+    assert top3 == pytest.approx(float(p_full.gather(1, cands).sum()), abs=1e-5)
+    # the target's mass outside the draft vocabulary is never accepted; a draft equal to the target always is
+    assert sampled <= float(p.sum()) + 1e-6 and float(p.sum()) < 3 - 0.1
+    assert expected_acceptance(tgt, tgt, full)[0] == pytest.approx(3.0, abs=1e-5)
 
 
 def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny, chats, tmp_path, capsys):
@@ -484,9 +502,10 @@ def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny
     assert cli("evaluate", "--model", tiny, "--head", trained / "head", "--data", chats, "--batch-tokens", 384,
                "--seed", 1, "--eval-conversations", 32, "--json", out) == 0
     got, last = json.loads(out.read_text()), read_jsonl(trained / "metrics.jsonl")[-1]
-    for k in ("top1", "top3", "top1_depth2", "top1_depth3", "top1_depth4", "accept_t1", "tokens"):
+    acc = ("accept_t1_sampled", "accept_t1_top1", "accept_t1_top3")
+    for k in ("top1", "top3", "top1_depth2", "top1_depth3", "top1_depth4", *acc, "tokens"):
         assert got[k] == pytest.approx(last[k], abs=1e-4), k
-    assert 0 < got["accept_t1"] < 1
+    assert 0 < got["accept_t1_top1"] < got["accept_t1_top3"] < 1 and 0 < got["accept_t1_sampled"] < 1
     assert "held-out" in capsys.readouterr().out
     # a random head scores lower on the same positions: the numbers measure the head
     rnd = tmp_path / "rnd"
@@ -495,7 +514,7 @@ def test_evaluate_scores_a_head_on_the_held_out_split_as_train_did(trained, tiny
     assert cli("evaluate", "--model", tiny, "--head", rnd, "--data", chats, "--batch-tokens", 384, "--seed", 1,
                "--eval-conversations", 32, "--json", out) == 0
     rnd_res = json.loads(out.read_text())
-    assert rnd_res["top1"] < got["top1"] and rnd_res["accept_t1"] < got["accept_t1"]
+    assert rnd_res["top1"] < got["top1"] and all(rnd_res[k] < got[k] for k in acc)
     # --answer-tokens: the same head on each answer's first 4 tokens only: fewer positions, other numbers
     assert cli("evaluate", "--model", tiny, "--head", trained / "head", "--data", chats, "--batch-tokens", 384,
                "--seed", 1, "--eval-conversations", 32, "--answer-tokens", 4, "--json", out) == 0

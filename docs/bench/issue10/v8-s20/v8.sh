@@ -10,7 +10,8 @@ OUT=${OUT:-runs/s20/head-v8}
 mkdir -p runs/s20
 DATA=runs/s20/regen-0-227.jsonl.gz
 [ -f $DATA ] || for i in $(seq -f %05g 0 227); do cat corpora/smollm2-135m-instruct/regen/shard-$i.jsonl.gz; done > $DATA
-# a new checkout: continue from the checkpoint committed at the end of the last session that ran this
+# a new checkout: continue from the checkpoint committed at the end of the last session that ran this (the run
+# finished in the twenty-first session and that folder is gone, so a new checkout now trains from the start)
 KEPT=checkpoints/head-v8-s20
 if [ ! -d $OUT/checkpoint ] && [ -d $KEPT/checkpoint ]; then mkdir -p $OUT && cp -r $KEPT/. $OUT/; fi
 RESUME=$([ -d $OUT/checkpoint ] && echo --resume || true)

@@ -97,7 +97,15 @@ def table_key(engine) -> dict:
         "threads": torch.get_num_threads(),
         "mode": engine.compile_mode or "eager",
         "gemm": gemm_name(engine),  # cpugemm.py, and which of its kernels: other costs
+        # the kernels' own version: a table timed on older kernels (T(16) was 16 % slower before the
+        # transposed-x pass) must not size trees for newer ones
+        "kernels": cpugemm_version() if getattr(engine, "packed_gemm", False) else None,
     }
+
+
+def cpugemm_version() -> str:
+    from .cpugemm import _SOURCE
+    return hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
 
 
 def cache_path(key: dict) -> Path:

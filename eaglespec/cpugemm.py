@@ -10,7 +10,9 @@ per small block of rows. This kernel packs each weight once into column panels (
 - AVX-512 (w = 16, one zmm): 32 registers hold 24 accumulators, so every row up to 24 is done in one
   streamed pass of each panel, the broadcast folded into the FMA. Measured interleaved on our Zen 4
   over the default model's weights: 1 / 8 / 16 rows 19.3 / 24.0 / 34.2 ms, against 23.5 / 33.1 /
-  43.6 ms with the 8-column kernel.
+  43.6 ms with the 8-column kernel. Above 8 rows x is transposed first ([K, rows]: one k's rows in
+  one line), which cut 12 / 16 / 24 rows from 27.7 / 31.2 / 40.9 ms to 23.3 / 26.3 / 33.4 (interleaved,
+  bit-identical results).
 - AVX2 (w = 8, one ymm), elsewhere: up to 8 rows in registers over one streamed pass of each panel,
   prefetching the next panel meanwhile; above 8 rows, pairs of panels (6 rows x 16 columns in
   registers: two FMAs per broadcast) in passes over a pair that is then in cache.
@@ -71,18 +73,24 @@ int64_t best_width() { return __builtin_cpu_supports("avx512f") ? NR16 : NR; }
 // the FMA's memory operand. So each 64-byte line of a panel (one k) is read from memory once for all
 // rows: at 8 rows the work per line is below what memory delivers (memory-bound, like one row), at
 // 16 it is about equal. The panels are one contiguous stream; a software prefetch runs PF lines ahead.
-#define FMA16(m) if constexpr (MR > m) a##m = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + k]), wv, a##m);
-constexpr int64_t PF = 24;
+// Above 8 rows x is read transposed (XT: [K, MR], the MR values of one k in one or two lines), which
+// cut 16 / 24 rows by 12-16 % (interleaved, all 121 linears of the default model): read row by row,
+// the MR broadcasts of one k touch MR lines, and at K = 1536 the rows no longer fit in L1 beside the
+// weight stream. The prefetch then runs further ahead, since a line is consumed more slowly.
+// Each accumulator sums over k in the same order in both layouts, so the result is bit for bit the same.
+#define FMA16(m) if constexpr (MR > m) a##m = _mm512_fmadd_ps(_mm512_set1_ps(XT ? xk[m] : x[m * ldx + k]), wv, a##m);
 
-template <int MR>
+template <int MR, bool XT>
 __attribute__((target("avx512f"))) void micro16(const float* __restrict x, int64_t ldx, const float* __restrict w,
                                                 int64_t K, float* __restrict y, int64_t ldy, int ncols) {
+  constexpr int64_t PF = XT ? 48 : 24;
   __m512 z = _mm512_setzero_ps();
   __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
   __m512 a12 = z, a13 = z, a14 = z, a15 = z, a16 = z, a17 = z, a18 = z, a19 = z, a20 = z, a21 = z, a22 = z, a23 = z;
   for (int64_t k = 0; k < K; ++k) {
     _mm_prefetch((const char*)(w + (k + PF) * NR16), _MM_HINT_T0);
     __m512 wv = _mm512_loadu_ps(w + k * NR16);
+    [[maybe_unused]] const float* xk = x + k * MR;
     FMA16(0) FMA16(1) FMA16(2) FMA16(3) FMA16(4) FMA16(5) FMA16(6) FMA16(7) FMA16(8) FMA16(9) FMA16(10) FMA16(11)
     FMA16(12) FMA16(13) FMA16(14) FMA16(15) FMA16(16) FMA16(17) FMA16(18) FMA16(19) FMA16(20) FMA16(21) FMA16(22) FMA16(23)
   }
@@ -92,23 +100,42 @@ __attribute__((target("avx512f"))) void micro16(const float* __restrict x, int64
 }
 
 using Micro16 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int);
-const Micro16 kernels16[25] = {nullptr, micro16<1>, micro16<2>, micro16<3>, micro16<4>, micro16<5>, micro16<6>,
-    micro16<7>, micro16<8>, micro16<9>, micro16<10>, micro16<11>, micro16<12>, micro16<13>, micro16<14>, micro16<15>,
-    micro16<16>, micro16<17>, micro16<18>, micro16<19>, micro16<20>, micro16<21>, micro16<22>, micro16<23>, micro16<24>};
+#define MICRO16_TABLE(XT) {nullptr, micro16<1, XT>, micro16<2, XT>, micro16<3, XT>, micro16<4, XT>, micro16<5, XT>, \
+    micro16<6, XT>, micro16<7, XT>, micro16<8, XT>, micro16<9, XT>, micro16<10, XT>, micro16<11, XT>, micro16<12, XT>, \
+    micro16<13, XT>, micro16<14, XT>, micro16<15, XT>, micro16<16, XT>, micro16<17, XT>, micro16<18, XT>, \
+    micro16<19, XT>, micro16<20, XT>, micro16<21, XT>, micro16<22, XT>, micro16<23, XT>, micro16<24, XT>}
+const Micro16 kernels16[25] = MICRO16_TABLE(false);
+const Micro16 kernels16t[25] = MICRO16_TABLE(true);
 
 void mm16(const float* xp, const float* w, float* yp, int64_t M, int64_t K, int64_t N, int64_t P) {
   // Rows in balanced passes of at most 24: above 24 rows the later passes read the panel from L2.
+  // Pass j covers rows [start[j], start[j + 1]); above 8 rows each pass's rows are first transposed.
   int64_t J = (M + 23) / 24;
+  std::vector<int64_t> start(J + 1, M);
+  for (int64_t j = 0, m = 0; j < J; ++j) { start[j] = m; m += (M - m) / (J - j); }
+  const bool xt = M > 8;
+  at::Tensor xbuf = at::empty({xt ? M * K : 0}, at::kFloat);  // 64-byte aligned: 16 rows of one k in one line
+  float* xb = xbuf.data_ptr<float>();
+  if (xt) {
+    at::parallel_for(0, J, 1, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        int64_t m0 = start[j], r = start[j + 1] - m0;
+        float* dst = xb + m0 * K;
+        for (int64_t i = 0; i < r; ++i)
+          for (int64_t k = 0; k < K; ++k) dst[k * r + i] = xp[(m0 + i) * K + k];
+      }
+    });
+  }
+  const float* xs = xt ? xb : xp;
+  const Micro16* table = xt ? kernels16t : kernels16;
   int64_t grain = std::max<int64_t>(1, 65536 / (K * NR16 * 4));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const float* panel = w + p * K * NR16;
       int nc = (int)std::min<int64_t>(NR16, N - p * NR16);
-      int64_t m = 0;
       for (int64_t j = 0; j < J; ++j) {
-        int64_t r = (M - m) / (J - j);
-        kernels16[r](xp + m * K, K, panel, K, yp + m * N + p * NR16, N, nc);
-        m += r;
+        int64_t m0 = start[j];
+        table[start[j + 1] - m0](xs + m0 * K, K, panel, K, yp + m0 * N + p * NR16, N, nc);
       }
     }
   });
@@ -116,7 +143,10 @@ void mm16(const float* xp, const float* w, float* yp, int64_t M, int64_t K, int6
 
 // y[MR, <=8] = x[MR, K] @ panel[K, 8], prefetching lines [pf_lo, pf_hi) of the next panel while at it.
 // Accumulators are named variables so that they stay in registers (an array was spilled to the stack
-// every iteration); with MR <= 4 a second set takes every other k, to hide the FMA latency.
+// every iteration). Each sums over k in order, one chain, whatever MR is, so a row's result does not
+// depend on how many rows come with it (plain decoding's 1 row and verification's n rows agree bit for
+// bit). Two chains for MR <= 4 (every other k) used to hide the FMA latency; measured without them,
+// 1-4 rows cost 0-2 % more (interleaved, the default model's 121 linears), within noise.
 #define FMA_ROWS(acc, wv, kk)                                                                            \
   if constexpr (MR > 0) acc##0 = _mm256_fmadd_ps(_mm256_broadcast_ss(x + 0 * ldx + (kk)), wv, acc##0); \
   if constexpr (MR > 1) acc##1 = _mm256_fmadd_ps(_mm256_broadcast_ss(x + 1 * ldx + (kk)), wv, acc##1); \
@@ -131,8 +161,6 @@ template <int MR>
 void micro(const float* __restrict x, int64_t ldx, const float* __restrict w, int64_t K,
            float* __restrict y, int64_t ldy, int ncols, const char* next, int64_t pf_lo, int64_t pf_hi) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;  // b4-b7 unused, but named
-  constexpr bool TWO = MR <= 4;
   int64_t lines = pf_hi - pf_lo;
   int64_t step = lines > 0 ? std::max<int64_t>(2, K / lines) : K + 1;
   int64_t count = 0, pf = pf_lo;
@@ -141,7 +169,7 @@ void micro(const float* __restrict x, int64_t ldx, const float* __restrict w, in
     if (next && pf < pf_hi && (count -= 2) <= 0) { _mm_prefetch(next + pf * 64, _MM_HINT_T0); ++pf; count += step; }
     __m256 w0 = _mm256_loadu_ps(w + k * NR), w1 = _mm256_loadu_ps(w + (k + 1) * NR);
     FMA_ROWS(a, w0, k)
-    if constexpr (TWO) { FMA_ROWS(b, w1, k + 1) } else { FMA_ROWS(a, w1, k + 1) }
+    FMA_ROWS(a, w1, k + 1)
   }
   for (; k < K; ++k) {
     __m256 w0 = _mm256_loadu_ps(w + k * NR);
@@ -149,10 +177,6 @@ void micro(const float* __restrict x, int64_t ldx, const float* __restrict w, in
   }
   for (; next && pf < pf_hi; ++pf) _mm_prefetch(next + pf * 64, _MM_HINT_T0);
   __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
-  if constexpr (TWO) {
-    __m256 bb[4] = {b0, b1, b2, b3};
-    for (int m = 0; m < MR; ++m) acc[m] = _mm256_add_ps(acc[m], bb[m]);
-  }
   if (ncols == NR) {
     for (int m = 0; m < MR; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
   } else {

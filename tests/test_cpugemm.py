@@ -32,6 +32,20 @@ def test_packed_linear_equals_nn_linear(m, k, n, width, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-5 * k ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width", sorted({8, cpugemm.panel_width()}) if cpugemm.why_unavailable() is None else [8])
+def test_a_row_gives_the_same_bits_whatever_rows_come_with_it(width, monkeypatch):
+    """Greedy identity needs verification (n rows) to compute each row as plain decoding (1 row) does.
+    The AVX-512 kernel reads x row by row up to 8 rows and transposed above; each row's sums must not
+    depend on that, on its pass, or on the other rows, bit for bit."""
+    monkeypatch.setitem(cpugemm._STATE, "width", width)
+    torch.manual_seed(3)
+    for k in (576, 1536, 37):
+        packed = cpugemm.PackedLinear(torch.nn.Linear(k, 70, bias=False))
+        x = torch.randn(60, k)
+        alone = torch.cat([packed(x[i:i + 1]) for i in range(60)])
+        for m in (2, 8, 9, 16, 24, 25, 60):
+            assert torch.equal(packed(x[:m]), alone[:m]), (k, m)
+
 def test_fused_linears_equal_the_separate_ones_concatenated():
     """q/k/v (with a bias on some, as Qwen2 has on all three) and gate/up run as one packed call."""
     torch.manual_seed(1)

@@ -327,34 +327,77 @@ struct Row {
   float* out;
 };
 
+// Sixteen dot products at once: lane j of the result is the sum of a[j]'s 16 lanes. A fixed tree of
+// in-register shuffles and adds (46 instructions for 16 sums, where 16 _mm512_reduce_add_ps take about
+// three times that); each sum depends on its own vector only, in the same order whatever the others hold.
+__attribute__((target("avx512f"))) static inline __m512 sum16(const __m512* a) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)  // halves: [a2i q0+q2, q1+q3 | a2i+1 q0+q2, q1+q3]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarters: quarter Q holds 4 partial sums of a[4i + Q]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  __m512 y0 = _mm512_add_ps(_mm512_unpacklo_ps(x[0], x[1]), _mm512_unpackhi_ps(x[0], x[1]));
+  __m512 y1 = _mm512_add_ps(_mm512_unpacklo_ps(x[2], x[3]), _mm512_unpackhi_ps(x[2], x[3]));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y0, y1, 0x44), _mm512_shuffle_ps(y0, y1, 0xEE));
+  // lane 4Q + i holds a[4i + Q]: back to lane j = a[j]
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, z);
+}
+
 // The query rows `rows` (all on one KV head) against keys / values of row stride ks / vs; s: R x L scratch.
-// NV = head_dim / 16. Every row's arithmetic is the same whatever the other rows are.
+// NV = head_dim / 16. Every row's arithmetic is the same whatever the other rows are. Scores go by blocks
+// of 16 keys (a block read once for all R rows, from L1 after the first): per row, 16 dot products of NV
+// FMAs each, summed by sum16, masked, stored. Keys of a block that a row does not see are multiplied all
+// the same (cheaper than skipping them one by one) and then dropped; keys past L are never read.
 template <int NV>
 __attribute__((target("avx512f"))) void attend_rows(const Row* rows, int64_t R, const float* k, int64_t ks,
                                                     const float* v, int64_t vs, int64_t L, float scale,
-                                                    float* s, float* mx) {
+                                                    float* s, float* mx, uint16_t* shown, int64_t* end) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < R; ++r) mx[r] = ninf;
-  for (int64_t j = 0; j < L; ++j) {  // scores: each shown key read once for all R rows
-    bool any = false;
-    for (int64_t r = 0; r < R; ++r) any |= rows[r].mask[j];
+  const __m512 vninf = _mm512_set1_ps(ninf), vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < R; ++r) mx[r] = ninf, end[r] = 0;
+  for (int64_t j0 = 0; j0 < L; j0 += 16) {
+    const int nj = (int)std::min<int64_t>(16, L - j0);
+    const __mmask16 in = nj == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nj) - 1);
+    __mmask16 any = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const bool* m = rows[r].mask + j0;
+      __mmask16 bits = 0;
+      if (nj == 16) {
+        bits = _mm512_test_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)m)),
+                                      _mm512_set1_epi32(0xFF));
+      } else {
+        for (int j = 0; j < nj; ++j) bits |= (__mmask16)((m[j] ? 1u : 0u) << j);
+      }
+      shown[r] = bits;
+      any |= bits;
+      if (bits) end[r] = j0 + nj;
+    }
     if (!any) {
-      for (int64_t r = 0; r < R; ++r) s[r * L + j] = ninf;
+      for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(s + r * L + j0, in, vninf);
       continue;
     }
-    __m512 kv[NV];
-    for (int i = 0; i < NV; ++i) kv[i] = _mm512_loadu_ps(k + j * ks + 16 * i);
+    const float* kb = k + j0 * ks;
     for (int64_t r = 0; r < R; ++r) {
-      if (!rows[r].mask[j]) { s[r * L + j] = ninf; continue; }
+      if (!shown[r]) { _mm512_mask_storeu_ps(s + r * L + j0, in, vninf); continue; }
       const float* qr = rows[r].q;
-      __m512 acc = _mm512_mul_ps(kv[0], _mm512_loadu_ps(qr));
-      for (int i = 1; i < NV; ++i) acc = _mm512_fmadd_ps(kv[i], _mm512_loadu_ps(qr + 16 * i), acc);
-      float x = _mm512_reduce_add_ps(acc) * scale;
-      s[r * L + j] = x;
-      mx[r] = std::max(mx[r], x);
+      __m512 q[NV];
+      for (int i = 0; i < NV; ++i) q[i] = _mm512_loadu_ps(qr + 16 * i);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        if (j >= nj) { acc[j] = _mm512_setzero_ps(); continue; }
+        const float* kj = kb + j * ks;
+        __m512 t = _mm512_mul_ps(_mm512_loadu_ps(kj), q[0]);
+        for (int i = 1; i < NV; ++i) t = _mm512_fmadd_ps(_mm512_loadu_ps(kj + 16 * i), q[i], t);
+        acc[j] = t;
+      }
+      __m512 x = _mm512_mask_blend_ps(shown[r], vninf, _mm512_mul_ps(sum16(acc), vscale));
+      _mm512_mask_storeu_ps(s + r * L + j0, in, x);
+      mx[r] = std::max(mx[r], _mm512_mask_reduce_max_ps(in, x));
     }
   }
-  const __m512 vninf = _mm512_set1_ps(ninf);
   for (int64_t r = 0; r < R; ++r) {
     float* o = rows[r].out;
     if (mx[r] == ninf) {  // a row that sees no key (a padding row): zeros, not NaN
@@ -362,18 +405,21 @@ __attribute__((target("avx512f"))) void attend_rows(const Row* rows, int64_t R, 
       continue;
     }
     float* sr = s + r * L;
+    // Only up to the row's last shown block: past it every weight would be exactly 0 (a batch row
+    // shorter than the batch's cache length, a tree node before its siblings' slots).
+    const int64_t E = end[r];
     __m512 m = _mm512_set1_ps(mx[r]), sum = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; j += 16) {  // weights, in place; a masked key's is exactly 0
-      __mmask16 in = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+    for (int64_t j = 0; j < E; j += 16) {  // weights, in place; a masked key's is exactly 0
+      __mmask16 in = E - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (E - j)) - 1);
       __m512 x = _mm512_mask_loadu_ps(vninf, in, sr + j);
-      __mmask16 shown = _mm512_cmp_ps_mask(x, vninf, _CMP_NEQ_OQ);
-      __m512 p = _mm512_maskz_mov_ps(shown, exp16(_mm512_sub_ps(x, m)));
+      __mmask16 seen = _mm512_cmp_ps_mask(x, vninf, _CMP_NEQ_OQ);
+      __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, m)));
       _mm512_mask_storeu_ps(sr + j, in, p);
       sum = _mm512_add_ps(sum, p);
     }
     __m512 acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; ++j) {
+    for (int64_t j = 0; j < E; ++j) {
       float pj = sr[j];
       if (pj == 0.0f) continue;  // masked (or underflowed): its value row is not read
       __m512 pv = _mm512_set1_ps(pj);
@@ -385,7 +431,7 @@ __attribute__((target("avx512f"))) void attend_rows(const Row* rows, int64_t R, 
 }
 
 using AttendRows = void (*)(const Row*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float,
-                            float*, float*);
+                            float*, float*, uint16_t*, int64_t*);
 
 // q (B, H, T, D), k and v (B, KVH, L, D) (any strides but the last), mask bool (T, L) or (B or 1, 1, T, L);
 // returns (B, T, H, D): the layout o_proj reads. H a multiple of KVH (grouped-query attention).
@@ -433,6 +479,8 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TB = (T + TS - 1) / TS;
   at::parallel_for(0, B * KVH * TB, 1, [&](int64_t a, int64_t z) {
     std::vector<float> s(G * TS * L), mx(G * TS);
+    std::vector<uint16_t> shown(G * TS);  // each row's mask bits for one block of 16 keys
+    std::vector<int64_t> end(G * TS);     // each row's keys end by here
     std::vector<Row> rows(G * TS);
     for (int64_t task = a; task < z; ++task) {
       int64_t b = task / (KVH * TB), g = task / TB % KVH, t0 = task % TB * TS, nt = std::min(TS, T - t0);
@@ -442,7 +490,7 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
           rows[R++] = {qp + b * qc.stride(0) + h * qc.stride(1) + t * qc.stride(2),
                        mp + b * m.stride(0) + t * m.stride(2), op + ((b * T + t) * H + h) * D};
       fn(rows.data(), R, kp + b * kc.stride(0) + g * kc.stride(1), kc.stride(2),
-         vp + b * vc.stride(0) + g * vc.stride(1), vc.stride(2), L, (float)scale, s.data(), mx.data());
+         vp + b * vc.stride(0) + g * vc.stride(1), vc.stride(2), L, (float)scale, s.data(), mx.data(), shown.data(), end.data());
     }
   });
   return out;

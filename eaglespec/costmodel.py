@@ -77,6 +77,8 @@ def gemm_name(engine) -> str:
     name = "packed" if panel_width() == 8 else f"packed{panel_width()}"  # "packed": the AVX2 kernel, as before
     if any(isinstance(m, Attention) and m.small_attention for m in engine.model.modules()):
         name += "+attn"  # cpugemm's attention kernel too
+    if any(getattr(m, "kind", 0) for m in engine.model.modules()):
+        name += "+gguf"  # weights kept as their GGUF blocks (cpugemm.quant_mm): other costs
     return name
 
 

@@ -17,6 +17,14 @@ per small block of rows. This kernel packs each weight once into column panels (
   prefetching the next panel meanwhile; above 8 rows, pairs of panels (6 rows x 16 columns in
   registers: two FMAs per broadcast) in passes over a pair that is then in cache.
 
+- Weights that are exactly GGUF blocks (a GGUF target's Q4_1 layers and Q8_0 LM head, as converted to
+  fp32) are found when packing and kept as those blocks, 6 / 9 bits a weight in our panels
+  (`quant_mm`): one decoded token then streams 106 MiB instead of 513 MiB. They are dequantized in
+  registers exactly as gguf-py does, and summed as the fp32 kernel sums, so every result is bit for bit
+  the fp32 kernel's. On the default model: plain decoding 2.4x, EAGLE 2.9x the fp32 panels' plain
+  decoding (interleaved, compiled, identical outputs; `scripts/gguf-gemm-ab.py`). EAGLESPEC_CPU_QUANT=0
+  keeps fp32 panels.
+
 It is a torch custom op (`torch.ops.eaglespec.packed_mm`), so torch.compile treats it as one opaque
 call and it works eagerly the same. Built once per machine with torch's C++ extension loader into the
 eaglespec cache (about 20 s); where it cannot be built (no compiler, no AVX2/FMA, not x86) the engine
@@ -107,35 +115,49 @@ using Micro16 = void (*)(const float*, int64_t, const float*, int64_t, float*, i
 const Micro16 kernels16[25] = MICRO16_TABLE(false);
 const Micro16 kernels16t[25] = MICRO16_TABLE(true);
 
-void mm16(const float* xp, const float* w, float* yp, int64_t M, int64_t K, int64_t N, int64_t P) {
-  // Rows in balanced passes of at most 24: above 24 rows the later passes read the panel from L2.
-  // Pass j covers rows [start[j], start[j + 1]); above 8 rows each pass's rows are first transposed.
+// Rows in balanced passes of at most 24 (above 24 rows the later passes read the panel from L2); pass j
+// covers rows [start[j], start[j + 1]). Above 8 rows each pass's rows are transposed first (see micro16).
+struct Passes {
+  std::vector<int64_t> start;
+  at::Tensor buf;  // 64-byte aligned: 16 rows of one k in one line
+  const float* x;  // what the kernels read: the rows as given, or transposed
+  bool xt;
+};
+
+Passes row_passes(const float* xp, int64_t M, int64_t K) {
+  Passes ps;
   int64_t J = (M + 23) / 24;
-  std::vector<int64_t> start(J + 1, M);
-  for (int64_t j = 0, m = 0; j < J; ++j) { start[j] = m; m += (M - m) / (J - j); }
-  const bool xt = M > 8;
-  at::Tensor xbuf = at::empty({xt ? M * K : 0}, at::kFloat);  // 64-byte aligned: 16 rows of one k in one line
-  float* xb = xbuf.data_ptr<float>();
-  if (xt) {
+  ps.start.assign(J + 1, M);
+  for (int64_t j = 0, m = 0; j < J; ++j) { ps.start[j] = m; m += (M - m) / (J - j); }
+  ps.xt = M > 8;
+  ps.buf = at::empty({ps.xt ? M * K : 0}, at::kFloat);
+  float* xb = ps.buf.data_ptr<float>();
+  if (ps.xt) {
     at::parallel_for(0, J, 1, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
-        int64_t m0 = start[j], r = start[j + 1] - m0;
+        int64_t m0 = ps.start[j], r = ps.start[j + 1] - m0;
         float* dst = xb + m0 * K;
         for (int64_t i = 0; i < r; ++i)
           for (int64_t k = 0; k < K; ++k) dst[k * r + i] = xp[(m0 + i) * K + k];
       }
     });
   }
-  const float* xs = xt ? xb : xp;
-  const Micro16* table = xt ? kernels16t : kernels16;
+  ps.x = ps.xt ? xb : xp;
+  return ps;
+}
+
+void mm16(const float* xp, const float* w, float* yp, int64_t M, int64_t K, int64_t N, int64_t P) {
+  Passes ps = row_passes(xp, M, K);
+  const Micro16* table = ps.xt ? kernels16t : kernels16;
+  int64_t J = (int64_t)ps.start.size() - 1;
   int64_t grain = std::max<int64_t>(1, 65536 / (K * NR16 * 4));
   at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const float* panel = w + p * K * NR16;
       int nc = (int)std::min<int64_t>(NR16, N - p * NR16);
       for (int64_t j = 0; j < J; ++j) {
-        int64_t m0 = start[j];
-        table[start[j + 1] - m0](xs + m0 * K, K, panel, K, yp + m0 * N + p * NR16, N, nc);
+        int64_t m0 = ps.start[j];
+        table[ps.start[j + 1] - m0](ps.x + m0 * K, K, panel, K, yp + m0 * N + p * NR16, N, nc);
       }
     }
   });
@@ -291,6 +313,108 @@ at::Tensor packed_mm(const at::Tensor& x_in, const at::Tensor& wp_in, int64_t N)
       const float* panel = w + p * K * NR;
       const char* next = p + 1 < p1 ? (const char*)(panel + K * NR) : nullptr;
       kernels[M](xp, K, panel, K, yp + p * NR, N, (int)std::min<int64_t>(NR, N - p * NR), next, 0, lines);
+    }
+  });
+  return y.view(sizes);
+}
+
+// ---- AVX-512, weights kept as GGUF's Q4_1 / Q8_0 blocks (4.5-8.5 bits a weight instead of 32) ----------
+// Why: one decoded token streams every weight once, so fp32 weights (0.54 GB for the default model)
+// cap plain decoding at memory bandwidth; its GGUF file holds them as Q4_1 (layers) and Q8_0 (the tied
+// embedding / LM head). These kernels read the blocks and dequantize in registers exactly as
+// gguf-py does (Q4_1: d * q + m, Q8_0: q * d, each product and sum rounded to fp32 separately: the
+// _round_ intrinsics are never fused into an FMA by the compiler), then accumulate over k in order as
+// micro16 does. So the result is bit for bit that of the fp32 weights the file dequantizes to.
+// Panel layout, per 16 outputs and block of 32 k (QB bytes, contiguous): d[16] fp32, m[16] fp32 (Q4_1
+// only), then Q4_1: 16 k-pairs of 16 bytes (byte i: q[k][i] | q[k + 1][i] << 4); Q8_0: 32 k of 16 int8.
+constexpr int64_t Q4B = 64 + 64 + 256, Q8B = 64 + 512;
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define QFMA(m, wv, kk) if constexpr (MR > m) a##m = _mm512_fmadd_ps(_mm512_set1_ps(XT ? x[(kk) * MR + m] : x[m * ldx + (kk)]), wv, a##m);
+#define QFMA_ALL(wv, kk) QFMA(0, wv, kk) QFMA(1, wv, kk) QFMA(2, wv, kk) QFMA(3, wv, kk) QFMA(4, wv, kk) QFMA(5, wv, kk) \
+  QFMA(6, wv, kk) QFMA(7, wv, kk) QFMA(8, wv, kk) QFMA(9, wv, kk) QFMA(10, wv, kk) QFMA(11, wv, kk) QFMA(12, wv, kk) \
+  QFMA(13, wv, kk) QFMA(14, wv, kk) QFMA(15, wv, kk) QFMA(16, wv, kk) QFMA(17, wv, kk) QFMA(18, wv, kk) QFMA(19, wv, kk) \
+  QFMA(20, wv, kk) QFMA(21, wv, kk) QFMA(22, wv, kk) QFMA(23, wv, kk)
+
+template <int MR, bool XT, bool Q4>
+__attribute__((target("avx512f"))) void microq(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w,
+                                               int64_t K, float* __restrict y, int64_t ldy, int ncols) {
+  constexpr int64_t QB = Q4 ? Q4B : Q8B;
+  __m512 z = _mm512_setzero_ps();
+  __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
+  __m512 a12 = z, a13 = z, a14 = z, a15 = z, a16 = z, a17 = z, a18 = z, a19 = z, a20 = z, a21 = z, a22 = z, a23 = z;
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = w + b * QB;
+    for (int64_t l = 0; l < QB; l += 64) _mm_prefetch((const char*)(blk + 2 * QB + l), _MM_HINT_T0);
+    const __m512 d = _mm512_loadu_ps((const float*)blk);
+    if constexpr (Q4) {
+      const __m512 m = _mm512_loadu_ps((const float*)(blk + 64));
+      const uint8_t* qs = blk + 128;
+      for (int64_t i = 0; i < 16; ++i) {
+        __m128i v = _mm_loadu_si128((const __m128i*)(qs + 16 * i));
+        __m128i q0 = _mm_and_si128(v, lo4), q1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+        __m512 w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), RN), m, RN);
+        __m512 w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), RN), m, RN);
+        const int64_t k = b * 32 + 2 * i;
+        QFMA_ALL(w0, k)
+        QFMA_ALL(w1, k + 1)
+      }
+    } else {
+      const int8_t* qs = (const int8_t*)(blk + 64);
+      for (int64_t i = 0; i < 32; ++i) {
+        __m128i v = _mm_loadu_si128((const __m128i*)(qs + 16 * i));
+        __m512 w0 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), d, RN);
+        const int64_t k = b * 32 + i;
+        QFMA_ALL(w0, k)
+      }
+    }
+  }
+  __m512 acc[24] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20, a21, a22, a23};
+  __mmask16 mask = ncols >= NR16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
+  for (int mm = 0; mm < MR; ++mm) _mm512_mask_storeu_ps(y + mm * ldy, mask, acc[mm]);
+}
+
+using MicroQ = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
+#define MICROQ_TABLE(XT, Q4) {nullptr, microq<1, XT, Q4>, microq<2, XT, Q4>, microq<3, XT, Q4>, microq<4, XT, Q4>, \
+    microq<5, XT, Q4>, microq<6, XT, Q4>, microq<7, XT, Q4>, microq<8, XT, Q4>, microq<9, XT, Q4>, microq<10, XT, Q4>, \
+    microq<11, XT, Q4>, microq<12, XT, Q4>, microq<13, XT, Q4>, microq<14, XT, Q4>, microq<15, XT, Q4>, \
+    microq<16, XT, Q4>, microq<17, XT, Q4>, microq<18, XT, Q4>, microq<19, XT, Q4>, microq<20, XT, Q4>, \
+    microq<21, XT, Q4>, microq<22, XT, Q4>, microq<23, XT, Q4>, microq<24, XT, Q4>}
+const MicroQ kernelsq4[25] = MICROQ_TABLE(false, true);
+const MicroQ kernelsq4t[25] = MICROQ_TABLE(true, true);
+const MicroQ kernelsq8[25] = MICROQ_TABLE(false, false);
+const MicroQ kernelsq8t[25] = MICROQ_TABLE(true, false);
+
+// x [..., K] fp32 @ a quantized packed weight ([P, K / 32, QB] bytes, from quant_pack) -> [..., N]
+at::Tensor quant_mm(const at::Tensor& x_in, const at::Tensor& wq, int64_t N, int64_t kind) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "quant_mm: needs AVX-512");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && wq.scalar_type() == at::kByte && wq.dim() == 3,
+              "quant_mm: fp32 input and a packed uint8 weight");
+  TORCH_CHECK(kind == 4 || kind == 8, "quant_mm: kind is 4 (Q4_1) or 8 (Q8_0)");
+  const int64_t QB = kind == 4 ? Q4B : Q8B, P = wq.size(0), K = wq.size(1) * 32;
+  TORCH_CHECK(wq.size(2) == QB && P * NR16 >= N && P * NR16 < N + NR16, "quant_mm: weight is not packed for ", N, " outputs");
+  TORCH_CHECK(x_in.size(-1) == K, "quant_mm: input has ", x_in.size(-1), " features, weight ", K);
+  auto x = x_in.reshape({-1, K}).contiguous();
+  auto wc = wq.contiguous();
+  int64_t M = x.size(0);
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(sizes);
+  Passes ps = row_passes(x.data_ptr<float>(), M, K);
+  const MicroQ* table = kind == 4 ? (ps.xt ? kernelsq4t : kernelsq4) : (ps.xt ? kernelsq8t : kernelsq8);
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  int64_t J = (int64_t)ps.start.size() - 1;
+  int64_t grain = std::max<int64_t>(1, 16384 / (K / 32 * QB));
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* panel = w + p * (K / 32) * QB;
+      int nc = (int)std::min<int64_t>(NR16, N - p * NR16);
+      for (int64_t j = 0; j < J; ++j) {
+        int64_t m0 = ps.start[j];
+        table[ps.start[j + 1] - m0](ps.x + m0 * K, K, panel, K, yp + m0 * N + p * NR16, N, nc);
+      }
     }
   });
   return y.view(sizes);
@@ -502,11 +626,13 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("packed_best_width() -> int", best_width);  // no tensor to dispatch on: a catch-all kernel
   m.def("packed_mm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("small_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
+  m.def("quant_mm(Tensor x, Tensor packed, int n, int kind) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("packed_pack", pack);
   m.impl("packed_mm", packed_mm);
   m.impl("small_attention", small_attention);
+  m.impl("quant_mm", quant_mm);
 }
 """
 
@@ -572,20 +698,165 @@ def _load() -> str | None:
     def _(w, nr):
         return w.new_empty((-(-w.shape[0] // nr), w.shape[1], nr))
 
+    @torch.library.register_fake("eaglespec::quant_mm")
+    def _(x, packed, n, kind):
+        return x.new_empty((*x.shape[:-1], n))
+
     return None
+
+
+# ---- weights that are exactly GGUF blocks ------------------------------------------------------------
+# A GGUF target's linears are dequantized to fp32 when it is converted, but their values are still
+# exactly Q4_1 (d * q + m) or Q8_0 (q * d) blocks of 32. Recognised here, they are packed as those blocks
+# (5.3 / 9 bits a weight with our panels, against 32) for quant_mm, whose results are bit for bit those
+# of the fp32 weights. Nothing is approximated: a block that does not reproduce its fp32 values exactly
+# leaves the whole linear in fp32.
+Q4_1, Q8_0 = 4, 8
+
+
+def quant_enabled() -> bool:
+    """Whether linears whose weights are exact GGUF blocks run on the quantized kernel: on the AVX-512
+    kernel's machines, unless EAGLESPEC_CPU_QUANT=0 (for A/B timing)."""
+    return (why_unavailable() is None and panel_width() == 16
+            and os.environ.get("EAGLESPEC_CPU_QUANT", "1") != "0")
+
+
+def _fp16_neighbours(x: torch.Tensor, spread: int = 2):
+    """x rounded to fp16, and the fp16 values up to `spread` steps either side (as fp32)."""
+    bits = x.half().view(torch.int16)
+    for step in [0] + [s for i in range(1, spread + 1) for s in (i, -i)]:
+        yield (bits + step).view(torch.float16).float()
+
+
+def _solve_blocks(wb, scale_guesses, fit):
+    """Per block of 32 (wb: [blocks, 32]), the first fp16 scale near one of `scale_guesses` (tensors
+    [blocks]) for which `fit(wb_rows, scale)` returns (q, exact [rows]); (scale, q) or None if a block has
+    none. Every guess is tried on the blocks still unsolved only: most blocks take the first."""
+    everything = torch.arange(wb.shape[0])
+    scale, q, todo = None, None, everything
+    for guess in scale_guesses:
+        for cand in _fp16_neighbours(guess):
+            if scale is None:  # the first try: every block, no gathering
+                q, ok = fit(wb, everything, cand)
+                if ok.float().mean() < 0.5:  # not such a tensor at all: do not try the other guesses
+                    return None
+                scale, todo = torch.where(ok, cand, torch.zeros_like(cand)), everything[~ok]
+                continue
+            if todo.numel() == 0:
+                return scale, q
+            c = cand[todo]
+            qq, ok = fit(wb[todo], todo, c)
+            hit = todo[ok]
+            scale[hit], q[hit] = c[ok], qq[ok]
+            todo = todo[~ok]
+    return (scale, q) if todo.numel() == 0 else None
+
+
+def q4_1_blocks(w: torch.Tensor):
+    """(d, m, q) with w == d * q + m exactly (fp32, product and sum each rounded, as gguf-py dequantizes),
+    d and m fp16 values [N, K / 32], q in 0..15 [N, K]; None if w is not made of such blocks."""
+    n, k = w.shape
+    if k % 32 or w.numel() == 0:
+        return None
+    wb = w.reshape(-1, 32)
+    m = wb.amin(-1)
+    if not torch.equal(m.half().float(), m):
+        return None
+    span = wb.amax(-1) - m
+
+    def fit(rows, idx, c):
+        c = torch.where(c > 0, c, torch.ones_like(c))[:, None]  # a constant block: q = 0 for any d
+        qq = ((rows - m[idx, None]) / c).round().clamp(0, 15)
+        return qq.to(torch.uint8), ((c * qq + m[idx, None]) == rows).all(-1)
+
+    # the largest value is usually q = 15 (llama.cpp's d is (max - min) / 15), not always
+    solved = _solve_blocks(wb, [span / 15, span / 14, span / 13], fit)
+    if solved is None:
+        return None
+    d, q = solved
+    d = torch.where(span > 0, d, torch.zeros_like(d))
+    return d.reshape(n, k // 32), m.reshape(n, k // 32), q.reshape(n, k)
+
+
+def q8_0_blocks(w: torch.Tensor):
+    """(d, q) with w == q * d exactly (fp32), d fp16 values [N, K / 32], q int8 [N, K]; None if w is not
+    made of such blocks."""
+    n, k = w.shape
+    if k % 32 or w.numel() == 0:
+        return None
+    wb = w.reshape(-1, 32)
+    amax = wb.abs().amax(-1)
+
+    def fit(rows, idx, c):
+        c = torch.where(c > 0, c, torch.ones_like(c))[:, None]
+        qq = (rows / c).round().clamp(-128, 127)
+        return qq.to(torch.int8), ((qq * c) == rows).all(-1)
+
+    solved = _solve_blocks(wb, [amax / 127], fit)
+    if solved is None:
+        return None
+    d, q = solved
+    return torch.where(amax > 0, d, torch.zeros_like(d)).reshape(n, k // 32), q.reshape(n, k)
+
+
+def _panels(t: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """[N, ...] -> [P, 16, ...], zero rows past N."""
+    if n_pad:
+        t = torch.cat([t, t.new_zeros((n_pad, *t.shape[1:]))])
+    return t.reshape(-1, 16, *t.shape[1:])
+
+
+def quant_pack(w: torch.Tensor):
+    """(kind, packed uint8 [P, K / 32, bytes per block]) for quant_mm if `w` is exactly Q4_1 or Q8_0 blocks,
+    else None. Layout: see the comment above quant_mm's kernel."""
+    n, k = w.shape
+    pad = (-n) % 16
+    blocks = q4_1_blocks(w)
+    if blocks is not None:
+        d, m, q = blocks
+        dp = _panels(d, pad).permute(0, 2, 1).contiguous()  # [P, B, 16]
+        mp = _panels(m, pad).permute(0, 2, 1).contiguous()
+        qp = _panels(q.reshape(n, k // 32, 16, 2), pad).permute(0, 2, 3, 1, 4)  # [P, B, pair, lane, 2]
+        qb = (qp[..., 0] | (qp[..., 1] << 4)).reshape(dp.shape[0], k // 32, 256)
+        return Q4_1, torch.cat([dp.view(torch.uint8), mp.view(torch.uint8), qb], -1).contiguous()
+    blocks = q8_0_blocks(w)
+    if blocks is not None:
+        d, q = blocks
+        dp = _panels(d, pad).permute(0, 2, 1).contiguous()
+        qp = _panels(q.reshape(n, k // 32, 32), pad).permute(0, 2, 3, 1).reshape(dp.shape[0], k // 32, 512)
+        return Q8_0, torch.cat([dp.view(torch.uint8), qp.contiguous().view(torch.uint8)], -1).contiguous()
+    return None
+
+
+def quant_unpack(kind: int, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 (N, K) weight of quant_pack's output, exactly."""
+    p, b, _ = packed.shape
+    d = packed[..., :64].contiguous().view(torch.float32)  # [P, B, 16]
+    if kind == Q4_1:
+        m = packed[..., 64:128].contiguous().view(torch.float32)
+        qb = packed[..., 128:].reshape(p, b, 16, 16)
+        q = torch.stack([qb & 15, qb >> 4], -1).permute(0, 3, 1, 2, 4).reshape(p * 16, b, 32).float()  # [N, B, 32]
+        w = d.permute(0, 2, 1).reshape(p * 16, b, 1) * q + m.permute(0, 2, 1).reshape(p * 16, b, 1)
+    else:
+        q = packed[..., 64:].contiguous().view(torch.int8).reshape(p, b, 32, 16).permute(0, 3, 1, 2)
+        w = q.reshape(p * 16, b, 32).float() * d.permute(0, 2, 1).reshape(p * 16, b, 1)
+    return w.reshape(p * 16, b * 32)[:n]
 
 
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a once-packed weight (inference only; the weight is a buffer). Given
-    several linears of the same input, it computes them as one, their outputs concatenated."""
+    several linears of the same input, it computes them as one, their outputs concatenated. A weight
+    made exactly of GGUF Q4_1 / Q8_0 blocks is packed as those blocks (`kind` 4 / 8; 0: fp32 panels)."""
 
-    def __init__(self, *linears: nn.Linear):
+    def __init__(self, *linears: nn.Linear, quant: bool | None = None):
         super().__init__()
         self.in_features = linears[0].weight.shape[1]
         self.out_features = sum(lin.weight.shape[0] for lin in linears)
         with torch.no_grad():
             w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
-            self.register_buffer("packed", torch.ops.eaglespec.packed_pack(w, panel_width()))
+            qp = quant_pack(w) if (quant_enabled() if quant is None else quant) else None
+            self.kind = 0 if qp is None else qp[0]
+            self.register_buffer("packed", torch.ops.eaglespec.packed_pack(w, panel_width()) if qp is None else qp[1])
             bias = None
             if any(lin.bias is not None for lin in linears):
                 bias = torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.weight.shape[0])
@@ -597,14 +868,20 @@ class PackedLinear(nn.Module):
         """The (out, in) weight, unpacked: a new tensor on each access (an engine built later on the
         same target takes its draft LM-head rows from here)."""
         p = self.packed
+        if self.kind:
+            return quant_unpack(self.kind, p, self.out_features)
         return p.permute(0, 2, 1).reshape(-1, p.shape[1])[: self.out_features]
 
     def forward(self, x):
-        y = torch.ops.eaglespec.packed_mm(x, self.packed, self.out_features)
+        if self.kind:
+            y = torch.ops.eaglespec.quant_mm(x, self.packed, self.out_features, self.kind)
+        else:
+            y = torch.ops.eaglespec.packed_mm(x, self.packed, self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        kind = {0: "fp32", Q4_1: "Q4_1", Q8_0: "Q8_0"}[self.kind]
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {kind}"
 
 
 def packed_copy(module: nn.Module) -> nn.Module:

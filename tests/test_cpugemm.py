@@ -221,3 +221,103 @@ def test_packing_switches_attention_to_the_kernel_and_it_compiles(make_oracle_pa
     q, mask = torch.randn(1, 9, 4, 64), torch.ones(4, 50, dtype=torch.bool)
     fn = torch.compile(lambda q, k, v, m: torch.ops.eaglespec.small_attention(q, k, v, m, 0.125) * 2, fullgraph=True)
     torch.testing.assert_close(fn(q, k, v, mask), 2 * torch.ops.eaglespec.small_attention(q, k, v, mask, 0.125))
+
+
+# ---- weights kept as their GGUF blocks ----------------------------------------------------------------
+
+needs_quant = pytest.mark.skipif(cpugemm.why_unavailable() is not None or cpugemm.panel_width() != 16,
+                                 reason="the GGUF-block kernel needs the AVX-512 one")
+
+
+def gguf_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """w through llama.cpp's Q4_1 quantizer (d = (max - min) / 15, m = min, both fp16) and gguf-py's
+    dequantizer (d * q + m in fp32): what a Q4_1 GGUF's converted weights hold."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    d = ((hi - lo) / 15).half().float()
+    m = lo.half().float()
+    q = ((b - lo) / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(0, 15)
+    return (d * q + m).reshape(n, k)
+
+
+def gguf_q8_0(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = (b / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(-128, 127)
+    return (q * d).reshape(n, k)
+
+
+@needs_quant
+@pytest.mark.parametrize("kind,make", [(cpugemm.Q4_1, gguf_q4_1), (cpugemm.Q8_0, gguf_q8_0)])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (49, 576), (960, 576), (24, 1536)])
+def test_gguf_block_weights_run_packed_as_blocks_bit_for_bit(kind, make, n, k):
+    """Found, packed at 5-9 bits a weight, unpacked exactly, and every row count (one pass, several,
+    transposed or not; ragged last panel) gives the fp32 kernel's bits, with and without bias."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k) * 0.05
+    w[0, :32] = w[0, 0]  # a constant block (Q4_1: d = 0)
+    w[1, -32:] = 0.0  # an all-zero block (Q8_0: d = 0)
+    w = make(w)
+    got = cpugemm.quant_pack(w)
+    assert got is not None and got[0] == kind
+    assert torch.equal(cpugemm.quant_unpack(kind, got[1], n), w)
+    for bias in (False, True):
+        lin = torch.nn.Linear(k, n, bias=bias)
+        lin.weight.data = w
+        blocks, fp32 = cpugemm.PackedLinear(lin), cpugemm.PackedLinear(lin, quant=False)
+        assert blocks.kind == kind and fp32.kind == 0 and torch.equal(blocks.weight, w)
+        assert blocks.packed.numel() * 8 == -(-n // 16) * 16 * k * (9 if kind == cpugemm.Q8_0 else 6)  # bits a weight
+        for m in (0, 1, 2, 3, 8, 9, 16, 24, 25, 49):
+            x = torch.randn(2, m, k)
+            assert torch.equal(blocks(x), fp32(x)), (m, bias)
+
+
+@needs_quant
+def test_weights_that_are_not_exact_blocks_stay_fp32():
+    torch.manual_seed(5)
+    assert cpugemm.quant_pack(torch.randn(64, 64)) is None  # trained fp32 weights
+    assert cpugemm.quant_pack(torch.randn(64, 48)) is None  # K not a multiple of 32
+    w = gguf_q4_1(torch.randn(64, 64))
+    w[7, 40] = torch.nextafter(w[7, 40], torch.tensor(1.0))  # one value off by one ulp
+    assert cpugemm.quant_pack(w) is None
+    lin = torch.nn.Linear(64, 64, bias=False)
+    lin.weight.data = w
+    assert cpugemm.PackedLinear(lin).kind == 0
+
+
+@needs_quant
+def test_an_engine_on_gguf_blocks_decodes_as_on_fp32_weights(make_oracle_pair, monkeypatch):
+    """A target whose weights are Q4_1 blocks (and a Q8_0 LM head) runs its linears as blocks; plain
+    decoding and EAGLE give exactly the tokens of the same target on fp32 panels. The calibration key
+    tells the two apart, so neither sizes trees with the other's costs."""
+    from eaglespec import costmodel
+    pairs = []
+    for quant in ("1", "0"):
+        monkeypatch.setenv("EAGLESPEC_CPU_QUANT", quant)
+        model, head = make_oracle_pair(noise=0.3)
+        with torch.no_grad():
+            for name, mod in model.named_modules():
+                if isinstance(mod, torch.nn.Linear) and mod.in_features % 32 == 0:
+                    mod.weight.copy_(gguf_q8_0(mod.weight) if name == "lm_head" else gguf_q4_1(mod.weight))
+        pairs.append(Engine(model, None, head))
+    blocks, fp32 = pairs
+    kinds = {m.kind for m in blocks.model.modules() if isinstance(m, cpugemm.PackedLinear)}
+    assert cpugemm.Q4_1 in kinds and {m.kind for m in fp32.model.modules() if isinstance(m, cpugemm.PackedLinear)} == {0}
+    assert costmodel.table_key(blocks)["gemm"].endswith("+gguf") and costmodel.table_key(fp32) != costmodel.table_key(blocks)
+    for prompt in ([1, 5, 9, 2], [3, 3, 7, 11, 4, 8]):
+        want = fp32.generate(input_ids=prompt, method="vanilla", max_new_tokens=24, temperature=0).token_ids
+        for method in ("vanilla", "eagle"):
+            assert blocks.generate(input_ids=prompt, method=method, max_new_tokens=24, temperature=0).token_ids == want
+
+
+@needs_quant
+def test_gguf_block_kernel_compiles_to_the_same_numbers():
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(64, 40, bias=True)
+    lin.weight.data = gguf_q4_1(lin.weight.data)
+    blocks = cpugemm.PackedLinear(lin)
+    assert blocks.kind == cpugemm.Q4_1
+    x = torch.randn(3, 5, 64)
+    assert torch.equal(torch.compile(blocks, backend="inductor", fullgraph=True)(x), blocks(x))

@@ -799,6 +799,22 @@ def q8_0_blocks(w: torch.Tensor):
     return torch.where(amax > 0, d, torch.zeros_like(d)).reshape(n, k // 32), q.reshape(n, k)
 
 
+def q8_0_round(w: torch.Tensor) -> torch.Tensor:
+    """w rounded to Q8_0 blocks as llama.cpp's quantizer does (d = max |w| / 127 in fp16, q = round(w / d)),
+    in fp32: what a draft head runs on where the target runs on GGUF blocks (see packed_copy)."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = (b / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(-128, 127)
+    return (q * d).reshape(n, k)
+
+
+def draft_blocks_enabled() -> bool:
+    """Whether a draft head's linears run as Q8_0 blocks (rounded) where the target runs on GGUF blocks:
+    unless EAGLESPEC_DRAFT_Q8=0."""
+    return quant_enabled() and os.environ.get("EAGLESPEC_DRAFT_Q8", "1") != "0"
+
+
 def _panels(t: torch.Tensor, n_pad: int) -> torch.Tensor:
     """[N, ...] -> [P, 16, ...], zero rows past N."""
     if n_pad:
@@ -848,12 +864,14 @@ class PackedLinear(nn.Module):
     several linears of the same input, it computes them as one, their outputs concatenated. A weight
     made exactly of GGUF Q4_1 / Q8_0 blocks is packed as those blocks (`kind` 4 / 8; 0: fp32 panels)."""
 
-    def __init__(self, *linears: nn.Linear, quant: bool | None = None):
+    def __init__(self, *linears: nn.Linear, quant: bool | None = None, round_q8: bool = False):
         super().__init__()
         self.in_features = linears[0].weight.shape[1]
         self.out_features = sum(lin.weight.shape[0] for lin in linears)
         with torch.no_grad():
             w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
+            if round_q8 and self.in_features % 32 == 0:  # a draft head's weights: an approximation is fine there
+                w = q8_0_round(w)
             qp = quant_pack(w) if (quant_enabled() if quant is None else quant) else None
             self.kind = 0 if qp is None else qp[0]
             self.register_buffer("packed", torch.ops.eaglespec.packed_pack(w, panel_width()) if qp is None else qp[1])
@@ -892,7 +910,7 @@ def packed_copy(module: nn.Module) -> nn.Module:
     ignores."""
     from .model import share_weights
     clone = share_weights(module)
-    pack_linears(clone, fuse=False)
+    pack_linears(clone, fuse=False, round_q8=draft_blocks_enabled())
     return clone
 
 
@@ -912,13 +930,15 @@ def _linear(m) -> bool:
     return isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
 
 
-def pack_linears(model: nn.Module, fuse: bool = True) -> int:
+def pack_linears(model: nn.Module, fuse: bool = True, round_q8: bool = False) -> int:
     """Swap every nn.Linear of `model` (the target's layers and LM head, or a draft head) for a
     PackedLinear, in place; with `fuse`, q/k/v and gate/up become one linear each (model.py runs them
     so; a head's training code reads q_proj & co. by name, so heads keep them apart). Returns how many
     linears were swapped. The embedding (which an LM head may be tied to) stays as it is. Its attention
     modules switch to this library's attention kernel too, where that runs: the packed path is the
-    inference path, and a model's fp32 CPU inference is what both kernels are for."""
+    inference path, and a model's fp32 CPU inference is what both kernels are for. With `round_q8` (a
+    draft head, whose output verification checks) the weights are first rounded to Q8_0 blocks: a
+    quarter of the bytes a draft step streams, for draft probabilities within 8-bit rounding."""
     swapped = 0
     for parent in list(model.modules()) if fuse else ():
         for fused, names in _FUSED.items():
@@ -931,7 +951,7 @@ def pack_linears(model: nn.Module, fuse: bool = True) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _linear(child):
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, PackedLinear(child, round_q8=round_q8))
                 swapped += 1
     if swapped and attention_available():
         from .model import Attention

@@ -4,6 +4,7 @@ and EAGLE on the first N MT-bench questions (128 tokens, T = 0), two engines on 
 interleaved in one process (the order alternates each repetition); outputs compared token for token.
 
     python scripts/gguf-gemm-ab.py [N] [REPS]      PAUSE=PID stops a background job meanwhile
+    AB=EAGLESPEC_DRAFT_Q8 ...   both on GGUF blocks; the draft head on fp32 ("fp32") or Q8_0 blocks ("gguf")
 """
 import json, os, signal, statistics as st, sys, time
 from eaglespec.bench import conversation, load_questions, pick, resolve_dataset
@@ -19,9 +20,10 @@ try:
     qs = pick(load_questions(resolve_dataset("mt_bench", None)), n_q)
     engines = {}
     for name, flag in (("fp32", "0"), ("gguf", "1")):
-        os.environ["EAGLESPEC_CPU_QUANT"] = flag
+        os.environ[os.environ.get("AB", "EAGLESPEC_CPU_QUANT")] = flag
         engines[name] = Engine.load(compile=True, tree=TreeConfig(auto=True))
-    kinds = {name: sorted({getattr(m, "kind", 0) for m in e.model.modules() if hasattr(m, "kind")}) for name, e in engines.items()}
+    kinds = {name: [sorted({getattr(m, "kind", 0) for m in mod.modules() if hasattr(m, "kind")}) for mod in (e.model, e.head)]
+             for name, e in engines.items()}
     print("linear kinds:", kinds, flush=True)
     prompts = [engines["fp32"].encode(messages=conversation(q.turns[:1], [])) for q in qs]
     for e in engines.values():

@@ -288,3 +288,32 @@ class TreePolicy:
             if reach[d] > 0:
                 self.pred[d] += a * (min(1.0, reach[d]) - self.pred[d])
                 self.obs[d] += a * (float(accepted_depth >= d) - self.obs[d])
+
+
+class SpecSwitch:
+    """Whether a round speculates at all: the measured time per token of speculative rounds against that
+    of plain ones (EMAs over rounds, catch-up and drafting included). The tree policy picks the best tree
+    by its model, but when even the best tree loses to a plain step (a flat target distribution at T = 1,
+    with a cheap one-token step) speculating costs more than it gives. Then rounds verify the root alone,
+    `stretch` of them in a row (as many tokens as the head's catch-up takes at once), and one speculative
+    round re-measures before the next stretch. Plain rounds give plain decoding's tokens, so this only
+    changes speed."""
+
+    def __init__(self, plain_ms_prior: float, stretch: int, ema: float = 0.1):
+        self.plain_ms, self.spec_ms, self.stretch, self.ema = plain_ms_prior, None, max(1, stretch), ema
+        self.plain_measured = False
+
+    def plain_next(self, pending: int) -> bool:
+        """True if the next round should be plain; `pending`: plain rounds since the head last caught up."""
+        if self.spec_ms is None or self.spec_ms <= self.plain_ms:
+            return False
+        return pending < self.stretch
+
+    def record(self, speculative: bool, seconds: float, tokens: int) -> None:
+        ms = 1e3 * seconds / max(1, tokens)
+        if speculative:
+            self.spec_ms = ms if self.spec_ms is None else self.spec_ms + self.ema * (ms - self.spec_ms)
+        elif not self.plain_measured:  # the first measured plain round replaces the table's prior
+            self.plain_ms, self.plain_measured = ms, True
+        else:
+            self.plain_ms += self.ema * (ms - self.plain_ms)

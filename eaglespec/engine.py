@@ -6,6 +6,7 @@ methods go through the same prefill, cache and stopping rules, so speed-ups comp
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from .model import Transformer
 from .ngram import NgramProposer, attach_chain
 from .sampling import SamplingParams, next_token
 from .compiled import StaticCall, compile_fn, configure_inductor, default_mode
-from .costmodel import AUTO_BUCKETS, TreePolicy
+from .costmodel import AUTO_BUCKETS, SpecSwitch, TreePolicy
 from .stopping import Stopper, stream_delta
 from .tree import Drafter, Tree, TreeConfig, select_tree, top_by_score
 from .verify import greedy_accept, verify
@@ -227,6 +228,7 @@ class Engine:
         self._move = compile_fn(self._move_fn, mode, packed) if mode is not None else self._move_fn
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None
+        self._switch: SpecSwitch | None = None
         self._ngram: NgramProposer | None = None
 
     @classmethod
@@ -447,6 +449,7 @@ class Engine:
     def reset_learning(self) -> None:
         """Forget what the tree policy and the n-gram proposer learned (a replayable run starts fresh)."""
         self.policy = None
+        self._switch = None
         self._ngram = None
 
     def _get_policy(self) -> TreePolicy | None:
@@ -458,6 +461,17 @@ class Engine:
                 self._cost_table = load_or_measure(self, (1,) + self.auto_buckets(), log=_notice)
             self.policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
         return self.policy
+
+    def _get_switch(self) -> SpecSwitch | None:
+        """The speculate-or-not switch, opt-in (EAGLESPEC_SPEC_SWITCH=1), with the auto tree only (a fixed
+        tree is the user's choice). Measured on the default model (20 MT-bench turns, interleaved, quiet),
+        its effect was within run-to-run noise at T = 0 and T = 1 (docs/performance.md), so it is not the
+        default."""
+        if self._get_policy() is None or os.environ.get("EAGLESPEC_SPEC_SWITCH", "0") != "1":
+            return None
+        if self._switch is None:
+            self._switch = SpecSwitch(self._cost_table.t_verify(1), self._pad)
+        return self._switch
 
     def _get_ngram(self) -> NgramProposer | None:
         if not (self.tree.ngram and self.tree.kind == "dynamic"):
@@ -486,8 +500,35 @@ class Engine:
         root_hidden, root_scores, root_ids = self._head_prefill(ids, root, feats)
         cur = len(ids)
         timers.draft += time.perf_counter() - t0
+        switch = self._get_switch()
+        pending: list[tuple[int, torch.Tensor]] = []  # plain rounds' (token, root feature) since the head caught up
+        # The switch is fed wall time from one round's start to the next's: what the caller does with each
+        # yield (stop checks, streaming) is paid per round, so per token it weighs more on plain rounds.
+        spec_start, spec_tokens, plain_secs = None, 0, 0.0
         while True:
+            now = time.perf_counter()
+            if spec_start is not None:
+                switch.record(True, now - spec_start, spec_tokens)
+                spec_start = None
+            if switch is not None and switch.plain_next(len(pending)):
+                new = self._plain_round(root, cur, params, gen, timers, pending)
+                yield new
+                root, cur = new[0], cur + 1
+                if ngram is not None:
+                    ngram.extend(new)
+                plain_secs += time.perf_counter() - now
+                continue
             t0 = time.perf_counter()
+            if pending:  # the head catches up on the plain rounds' tokens before it drafts again
+                start = cur - len(pending)
+                path_t = torch.tensor(list(range(len(pending))) + [0] * (self._pad - len(pending)), device=dev)
+                root_hidden, root_scores, root_ids = self._catchup(
+                    [tok for tok, _ in pending], torch.cat([f for _, f in pending]), path_t, start)
+                t0 = time.perf_counter()
+                switch.record(False, plain_secs + (t0 - now), len(pending))  # the stretch, its catch-up included
+                pending.clear()
+                plain_secs = 0.0
+            t_round = t0
             depth = policy.depth() if policy is not None else self.tree.max_depth
             cands = drafter.draft(root_hidden, root_scores, root_ids, cur, depth)
             chain = ngram.propose() if ngram is not None else []
@@ -525,6 +566,25 @@ class Engine:
             if ngram is not None:
                 ngram.extend(new)
             timers.draft += time.perf_counter() - t0
+            if switch is not None:
+                spec_start, spec_tokens = t_round, len(new)
+
+    def _plain_round(self, root, cur, params, gen, timers, pending) -> list[int]:
+        """One plain decoding step inside an EAGLE generation (the switch says speculating does not pay):
+        verify the root alone; its feature waits in `pending` for the head's next catch-up."""
+        dev = self.device
+        t1 = time.perf_counter()
+        tree = Tree(torch.tensor([root], device=dev), torch.tensor([-1], device=dev), torch.zeros(1, dtype=torch.long, device=dev))
+        mask = torch.ones(1, cur + 1, dtype=torch.bool, device=dev)
+        f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
+        bonus = int(amax[0]) if params.greedy else verify(tree, lg, params, gen)[1]
+        t2 = time.perf_counter()
+        timers.verify += t2 - t1
+        timers.forwards += 1
+        timers.tree_tokens += 1
+        timers.accept.append(1)
+        pending.append((bonus, f[:1]))
+        return [bonus]
 
     # ---- warm-up and calibration -------------------------------------------------------------------
 

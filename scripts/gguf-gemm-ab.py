@@ -5,6 +5,8 @@ interleaved in one process (the order alternates each repetition); outputs compa
 
     python scripts/gguf-gemm-ab.py [N] [REPS]      PAUSE=PID stops a background job meanwhile
     AB=EAGLESPEC_DRAFT_Q8 ...   both on GGUF blocks; the draft head on fp32 ("fp32") or Q8_0 blocks ("gguf")
+    AB=EAGLESPEC_SPEC_SWITCH ...  both on GGUF blocks; the speculate-or-not switch off ("fp32") or on ("gguf")
+    TEMP=1 ...      sample at T = 1 (outputs are then not compared)
 """
 import json, os, signal, statistics as st, sys, time
 from eaglespec.bench import conversation, load_questions, pick, resolve_dataset
@@ -38,7 +40,8 @@ try:
                 toks, secs, rounds = 0, 0.0, 0
                 for p in prompts:
                     t = time.perf_counter()
-                    r = e.generate(input_ids=p, method=method, max_new_tokens=128, temperature=0)
+                    r = e.generate(input_ids=p, method=method, max_new_tokens=128,
+                                   temperature=float(os.environ.get("TEMP", 0)), seed=rep)
                     secs += time.perf_counter() - t
                     toks += len(r.token_ids)
                     outs.setdefault((name, method, tuple(p)), r.token_ids)

@@ -11,7 +11,7 @@ import torch
 
 from eaglespec import costmodel
 from eaglespec.cli import main, resolve_compile, tree_config
-from eaglespec.costmodel import AUTO_BUCKETS, CostTable, TreePolicy
+from eaglespec.costmodel import AUTO_BUCKETS, CostTable, TreePolicy, SpecSwitch
 from eaglespec.engine import Engine
 from eaglespec.tree import TreeConfig
 
@@ -206,3 +206,62 @@ def test_a_cached_table_that_no_longer_matches_the_machine_is_remeasured(tiny_ch
     costmodel.save_table(matching)
     notes.clear()
     assert costmodel.load_or_measure(engine, sizes, log=notes.append).verify_ms == matching.verify_ms and not notes
+
+
+class Alternating(SpecSwitch):
+    """A switch that forces a pattern: plain rounds (as many as `plain` in a row, within the stretch),
+    then one speculative round, whatever the timings; it still records them."""
+
+    def __init__(self, plain: int, stretch: int):
+        super().__init__(1.0, stretch)
+        self.plain = plain
+        self.plain_rounds = 0
+
+    def plain_next(self, pending: int) -> bool:
+        go = pending < min(self.plain, self.stretch)
+        self.plain_rounds += go
+        return go
+
+
+def test_spec_switch_prefers_what_measures_faster():
+    s = SpecSwitch(plain_ms_prior=10.0, stretch=5)
+    assert not s.plain_next(0)  # nothing measured: speculate
+    s.record(True, 0.030, 2)  # 15 ms a token, against a 10 ms plain step: plain rounds, up to the stretch
+    assert s.plain_next(0) and s.plain_next(4) and not s.plain_next(5)
+    s.record(False, 0.020, 1)  # a measured plain step (20 ms) replaces the prior: speculating pays again
+    assert s.plain_ms == pytest.approx(20.0) and not s.plain_next(0)
+    for _ in range(50):
+        s.record(True, 0.060, 2)  # 30 ms a token, steadily
+    assert s.plain_next(0)
+
+
+@pytest.mark.parametrize("plain", [1, 3, 99])
+def test_plain_rounds_inside_eagle_are_greedy_lossless(plain, good, same_or_tie):
+    """Rounds that verify the root alone (the switch's plain rounds), mixed with speculative ones in
+    every pattern, including the longest stretch the head's catch-up takes: plain decoding's tokens."""
+    model, head, prompts, want = good
+    engine = Engine(model, head=head, tree=TreeConfig(auto=True, depth=5, total_tokens=16), cost_table=FREE)
+    engine._get_policy()
+    engine._switch = switch = Alternating(plain, engine._pad)
+    for p, w in zip(prompts, want):
+        r = engine.generate(input_ids=p, max_new_tokens=24, ignore_eos=True)
+        same_or_tie(model, p, r.token_ids, w)
+    assert switch.plain_rounds > 20 and switch.spec_ms is not None and switch.plain_measured
+
+
+def test_plain_rounds_inside_eagle_sample_the_target(make_oracle_pair):
+    from test_lossless import SAMPLING, chi_square_pvalue, exact_continuations
+    params = SAMPLING["t1"]
+    model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
+    engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8, auto=True),
+                    cost_table=table({n: 10.0 + n for n in (1, 4, 8)}, 0.1, 0.1))
+    engine._get_policy()
+    engine._switch = Alternating(1, engine._pad)
+    prompt = [1, 2, 3]
+    expected = exact_continuations(model, prompt, 3, params)
+    counts = Counter()
+    for seed in range(1500):
+        r = engine.generate(input_ids=prompt, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
+        counts[tuple(r.token_ids)] += 1
+    assert engine._switch.plain_rounds > 1000
+    assert chi_square_pvalue(counts, expected) > 1e-3

@@ -467,10 +467,11 @@ class Engine:
         tree is the user's choice). Measured on the default model (20 MT-bench turns, interleaved, quiet),
         its effect was within run-to-run noise at T = 0 and T = 1 (docs/performance.md), so it is not the
         default."""
+        if self._switch is not None:  # installed already (by an earlier generation, or a caller)
+            return self._switch
         if self._get_policy() is None or os.environ.get("EAGLESPEC_SPEC_SWITCH", "0") != "1":
             return None
-        if self._switch is None:
-            self._switch = SpecSwitch(self._cost_table.t_verify(1), self._pad)
+        self._switch = SpecSwitch(self._cost_table.t_verify(1), self._pad)
         return self._switch
 
     def _get_ngram(self) -> NgramProposer | None:

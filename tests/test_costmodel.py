@@ -131,19 +131,26 @@ def test_every_policy_is_greedy_lossless(cost, good, same_or_tie):
         assert mean == pytest.approx(min(AUTO_BUCKETS))  # the smallest bucket, every round
 
 
-def test_auto_policy_sampling_follows_the_target(make_oracle_pair):
-    """Sampling with the cost-model tree still draws the target's exact joint distribution."""
+@pytest.mark.parametrize("plain_rounds", [False, True])
+def test_auto_policy_sampling_follows_the_target(plain_rounds, make_oracle_pair):
+    """Sampling with the cost-model tree still draws the target's exact joint distribution; so it does
+    with the speculate-or-not switch's plain rounds (forced every other round) among the speculative ones."""
     from test_lossless import SAMPLING, chi_square_pvalue, exact_continuations
     params = SAMPLING["t1"]
     model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
     engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8, auto=True),
                     cost_table=table({n: 10.0 + n for n in (1, 4, 8)}, 0.1, 0.1))
+    if plain_rounds:
+        engine._get_policy()
+        engine._switch = Alternating(1, engine._pad)
     prompt = [1, 2, 3]
     expected = exact_continuations(model, prompt, 3, params)
     counts = Counter()
     for seed in range(1500):
         r = engine.generate(input_ids=prompt, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
         counts[tuple(r.token_ids)] += 1
+    if plain_rounds:
+        assert engine._switch.plain_rounds > 1000
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
@@ -248,20 +255,3 @@ def test_plain_rounds_inside_eagle_are_greedy_lossless(plain, good, same_or_tie)
         same_or_tie(model, p, r.token_ids, w)
     assert switch.plain_rounds > 20 and switch.spec_ms is not None and switch.plain_measured
 
-
-def test_plain_rounds_inside_eagle_sample_the_target(make_oracle_pair):
-    from test_lossless import SAMPLING, chi_square_pvalue, exact_continuations
-    params = SAMPLING["t1"]
-    model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
-    engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8, auto=True),
-                    cost_table=table({n: 10.0 + n for n in (1, 4, 8)}, 0.1, 0.1))
-    engine._get_policy()
-    engine._switch = Alternating(1, engine._pad)
-    prompt = [1, 2, 3]
-    expected = exact_continuations(model, prompt, 3, params)
-    counts = Counter()
-    for seed in range(1500):
-        r = engine.generate(input_ids=prompt, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
-        counts[tuple(r.token_ids)] += 1
-    assert engine._switch.plain_rounds > 1000
-    assert chi_square_pvalue(counts, expected) > 1e-3

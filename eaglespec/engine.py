@@ -575,7 +575,8 @@ class Engine:
         verify the root alone; its feature waits in `pending` for the head's next catch-up."""
         dev = self.device
         t1 = time.perf_counter()
-        tree = Tree(torch.tensor([root], device=dev), torch.tensor([-1], device=dev), torch.zeros(1, dtype=torch.long, device=dev))
+        one = lambda v: torch.tensor([v], device=dev)  # noqa: E731
+        tree = Tree(tokens=one(root), parents=one(-1), depths=one(0))
         mask = torch.ones(1, cur + 1, dtype=torch.bool, device=dev)
         f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
         bonus = int(amax[0]) if params.greedy else verify(tree, lg, params, gen)[1]

@@ -335,6 +335,21 @@ constexpr int64_t Q4B = 64 + 64 + 256, Q8B = 64 + 512;
   QFMA(13, wv, kk) QFMA(14, wv, kk) QFMA(15, wv, kk) QFMA(16, wv, kk) QFMA(17, wv, kk) QFMA(18, wv, kk) QFMA(19, wv, kk) \
   QFMA(20, wv, kk) QFMA(21, wv, kk) QFMA(22, wv, kk) QFMA(23, wv, kk)
 
+// The exact dequantization of one 16-byte row of a panel block, shared by microq and dequant_panel.
+// Q4_1: the k-pair (k, k + 1) of 16 outputs; Q8_0: one k of 16 outputs.
+__attribute__((target("avx512f"))) static inline void q4_pair(const uint8_t* q16, __m512 d, __m512 m, __m512& w0, __m512& w1) {
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  __m128i v = _mm_loadu_si128((const __m128i*)q16);
+  __m128i q0 = _mm_and_si128(v, lo4), q1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+  w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), RN), m, RN);
+  w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), RN), m, RN);
+}
+
+__attribute__((target("avx512f"))) static inline __m512 q8_one(const uint8_t* q16, __m512 d) {
+  __m128i v = _mm_loadu_si128((const __m128i*)q16);
+  return _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), d, RN);
+}
+
 template <int MR, bool XT, bool Q4>
 __attribute__((target("avx512f"))) void microq(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w,
                                                int64_t K, float* __restrict y, int64_t ldy, int ncols) {
@@ -342,28 +357,22 @@ __attribute__((target("avx512f"))) void microq(const float* __restrict x, int64_
   __m512 z = _mm512_setzero_ps();
   __m512 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z, a8 = z, a9 = z, a10 = z, a11 = z;
   __m512 a12 = z, a13 = z, a14 = z, a15 = z, a16 = z, a17 = z, a18 = z, a19 = z, a20 = z, a21 = z, a22 = z, a23 = z;
-  const __m128i lo4 = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk = w + b * QB;
     for (int64_t l = 0; l < QB; l += 64) _mm_prefetch((const char*)(blk + 2 * QB + l), _MM_HINT_T0);
     const __m512 d = _mm512_loadu_ps((const float*)blk);
     if constexpr (Q4) {
       const __m512 m = _mm512_loadu_ps((const float*)(blk + 64));
-      const uint8_t* qs = blk + 128;
       for (int64_t i = 0; i < 16; ++i) {
-        __m128i v = _mm_loadu_si128((const __m128i*)(qs + 16 * i));
-        __m128i q0 = _mm_and_si128(v, lo4), q1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
-        __m512 w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), RN), m, RN);
-        __m512 w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), RN), m, RN);
+        __m512 w0, w1;
+        q4_pair(blk + 128 + 16 * i, d, m, w0, w1);
         const int64_t k = b * 32 + 2 * i;
         QFMA_ALL(w0, k)
         QFMA_ALL(w1, k + 1)
       }
     } else {
-      const int8_t* qs = (const int8_t*)(blk + 64);
       for (int64_t i = 0; i < 32; ++i) {
-        __m128i v = _mm_loadu_si128((const __m128i*)(qs + 16 * i));
-        __m512 w0 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), d, RN);
+        __m512 w0 = q8_one(blk + 64 + 16 * i, d);
         const int64_t k = b * 32 + i;
         QFMA_ALL(w0, k)
       }
@@ -380,7 +389,6 @@ __attribute__((target("avx512f"))) void microq(const float* __restrict x, int64_
 template <bool Q4>
 __attribute__((target("avx512f"))) void dequant_panel(const uint8_t* __restrict w, int64_t K, float* __restrict out) {
   constexpr int64_t QB = Q4 ? Q4B : Q8B;
-  const __m128i lo4 = _mm_set1_epi8(0x0F);
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk = w + b * QB;
     const __m512 d = _mm512_loadu_ps((const float*)blk);
@@ -388,16 +396,13 @@ __attribute__((target("avx512f"))) void dequant_panel(const uint8_t* __restrict 
     if constexpr (Q4) {
       const __m512 m = _mm512_loadu_ps((const float*)(blk + 64));
       for (int64_t i = 0; i < 16; ++i) {
-        __m128i v = _mm_loadu_si128((const __m128i*)(blk + 128 + 16 * i));
-        __m128i q0 = _mm_and_si128(v, lo4), q1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
-        _mm512_storeu_ps(o + (2 * i) * NR16, _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0)), RN), m, RN));
-        _mm512_storeu_ps(o + (2 * i + 1) * NR16, _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1)), RN), m, RN));
+        __m512 w0, w1;
+        q4_pair(blk + 128 + 16 * i, d, m, w0, w1);
+        _mm512_storeu_ps(o + (2 * i) * NR16, w0);
+        _mm512_storeu_ps(o + (2 * i + 1) * NR16, w1);
       }
     } else {
-      for (int64_t i = 0; i < 32; ++i) {
-        __m128i v = _mm_loadu_si128((const __m128i*)(blk + 64 + 16 * i));
-        _mm512_storeu_ps(o + i * NR16, _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), d, RN));
-      }
+      for (int64_t i = 0; i < 32; ++i) _mm512_storeu_ps(o + i * NR16, q8_one(blk + 64 + 16 * i, d));
     }
   }
 }

@@ -241,12 +241,7 @@ def gguf_q4_1(w: torch.Tensor) -> torch.Tensor:
     return (d * q + m).reshape(n, k)
 
 
-def gguf_q8_0(w: torch.Tensor) -> torch.Tensor:
-    n, k = w.shape
-    b = w.reshape(n, k // 32, 32)
-    d = (b.abs().amax(-1, keepdim=True) / 127).half().float()
-    q = (b / torch.where(d > 0, d, torch.ones_like(d))).round().clamp(-128, 127)
-    return (q * d).reshape(n, k)
+gguf_q8_0 = cpugemm.q8_0_round  # llama.cpp's Q8_0 quantizer and gguf-py's dequantizer, as the library rounds draft heads
 
 
 @needs_quant

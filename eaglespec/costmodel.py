@@ -79,6 +79,8 @@ def gemm_name(engine) -> str:
         name += "+attn"  # cpugemm's attention kernel too
     if any(getattr(m, "kind", 0) for m in engine.model.modules()):
         name += "+gguf"  # weights kept as their GGUF blocks (cpugemm.quant_mm): other costs
+        if any(getattr(m, "kind", 0) > 10 for m in engine.model.modules()):
+            name += "-int8"  # ... times int8 activations (EAGLESPEC_CPU_QUANT=int8): other costs again
     if engine.head is not None and any(getattr(m, "kind", 0) for m in engine.head.modules()):
         name += "+q8draft"  # the head's linears rounded to Q8_0 blocks (cpugemm.packed_copy): other draft costs
     return name

@@ -29,6 +29,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from .cpugemm import linear_kinds
 from .data import Conversation, load_conversations, regenerated_shard
 from .model import KVCache, Transformer
 from .sampling import SamplingParams, next_token
@@ -552,7 +553,8 @@ def session_record(regen: Regenerator, args, elapsed: float, mode) -> dict:
         "tokens_per_s": round(regen.new_tokens / max(elapsed, 1e-9), 2),
         "batch_size": args.batch_size, "rows_per_step": round(regen.row_steps / max(regen.steps, 1), 2),
         "steps": regen.steps, "device": str(regen.decoder.device), "threads": torch.get_num_threads(),
-        "compiled": mode or False, "packed_gemm": regen.decoder.packed_gemm}
+        "compiled": mode or False, "packed_gemm": regen.decoder.packed_gemm,
+        "linears": linear_kinds(regen.decoder.model) if regen.decoder.packed_gemm else ["torch"]}
 
 
 def answer_shards(regen: Regenerator, out: Path, entries: list[dict], plan: list[list[Conversation]], mix, seed: int,

@@ -6,6 +6,9 @@ interleaved in one process (the order alternates each repetition); outputs compa
     python scripts/gguf-gemm-ab.py [N] [REPS]      PAUSE=PID stops a background job meanwhile
     AB=EAGLESPEC_DRAFT_Q8 ...   both on GGUF blocks; the draft head on fp32 ("fp32") or Q8_0 blocks ("gguf")
     AB=EAGLESPEC_SPEC_SWITCH ...  both on GGUF blocks; the speculate-or-not switch off ("fp32") or on ("gguf")
+    VALUES=1,int8 ...  the two values the AB variable takes (default 0,1); "fp32" names the engine with
+                    the first, "gguf" the one with the second (EAGLESPEC_CPU_QUANT=int8: GGUF blocks times
+                    int8 activations, against the exact blocks)
     TEMP=1 ...      sample at T = 1 (outputs are then not compared)
 """
 import json, os, signal, statistics as st, sys, time
@@ -21,7 +24,8 @@ if pause:
 try:
     qs = pick(load_questions(resolve_dataset("mt_bench", None)), n_q)
     engines = {}
-    for name, flag in (("fp32", "0"), ("gguf", "1")):
+    values = os.environ.get("VALUES", "0,1").split(",")
+    for name, flag in (("fp32", values[0]), ("gguf", values[1])):
         os.environ[os.environ.get("AB", "EAGLESPEC_CPU_QUANT")] = flag
         engines[name] = Engine.load(compile=True, tree=TreeConfig(auto=True))
     kinds = {name: [sorted({getattr(m, "kind", 0) for m in mod.modules() if hasattr(m, "kind")}) for mod in (e.model, e.head)]

@@ -195,6 +195,26 @@ def test_small_attention_rows_depend_on_nothing_but_their_own_keys():
 
 
 @needs_attention
+def test_a_tree_node_attends_with_the_bits_of_its_path_in_consecutive_slots():
+    """Bit for bit: a tree node whose ancestors sit in scattered slots (a verification round) gets what the
+    same keys in consecutive slots give (plain decoding of the accepted path). Without it, verification and
+    plain decoding differ in the last bits, which int8 activations blow up into different tokens."""
+    torch.manual_seed(4)
+    ctx, d = 37, 64
+    k, v = _cache(1, 3, 80, d)
+    q = torch.randn(1, 9, 1, d)
+    path = [ctx, ctx + 3, ctx + 9, ctx + 20]  # root, a child, a grandchild, the node itself
+    tree_mask = torch.zeros(1, 80, dtype=torch.bool)
+    tree_mask[0, :ctx] = True
+    tree_mask[0, path] = True
+    keep = list(range(ctx)) + path
+    kc, vc = k[:, :, keep], v[:, :, keep]  # the same keys, consecutive (as plain decoding has them)
+    line_mask = torch.ones(1, len(keep), dtype=torch.bool)
+    op = torch.ops.eaglespec.small_attention
+    assert torch.equal(op(q, k, v, tree_mask, d ** -0.5), op(q, kc, vc, line_mask, d ** -0.5))
+
+
+@needs_attention
 def test_small_attention_gives_zeros_for_a_row_that_sees_nothing_and_checks_its_inputs():
     k, v = _cache(1, 2, 20, 32)
     q = torch.randn(1, 4, 2, 32)
@@ -247,9 +267,10 @@ gguf_q8_0 = cpugemm.q8_0_round  # llama.cpp's Q8_0 quantizer and gguf-py's dequa
 @needs_quant
 @pytest.mark.parametrize("kind,make", [(cpugemm.Q4_1, gguf_q4_1), (cpugemm.Q8_0, gguf_q8_0)])
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (49, 576), (960, 576), (24, 1536)])
-def test_gguf_block_weights_run_packed_as_blocks_bit_for_bit(kind, make, n, k):
+def test_gguf_block_weights_run_packed_as_blocks_bit_for_bit(kind, make, n, k, monkeypatch):
     """Found, packed at 5-9 bits a weight, unpacked exactly, and every row count (one pass, several,
     transposed or not; ragged last panel) gives the fp32 kernel's bits, with and without bias."""
+    monkeypatch.setenv("EAGLESPEC_CPU_QUANT", "1")  # the exact kernel (the default is int8 activations)
     torch.manual_seed(n + k)
     w = torch.randn(n, k) * 0.05
     w[0, :32] = w[0, 0]  # a constant block (Q4_1: d = 0)
@@ -270,7 +291,9 @@ def test_gguf_block_weights_run_packed_as_blocks_bit_for_bit(kind, make, n, k):
 
 
 @needs_quant
-def test_weights_that_are_not_exact_blocks_stay_fp32():
+@pytest.mark.parametrize("mode", ["1", "int8"])
+def test_weights_that_are_not_exact_blocks_stay_fp32(mode, monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_CPU_QUANT", mode)
     torch.manual_seed(5)
     assert cpugemm.quant_pack(torch.randn(64, 64)) is None  # trained fp32 weights
     assert cpugemm.quant_pack(torch.randn(64, 48)) is None  # K not a multiple of 32
@@ -311,11 +334,92 @@ def test_an_engine_on_gguf_blocks_decodes_as_on_fp32_weights(make_oracle_pair, m
 
 
 @needs_quant
-def test_gguf_block_kernel_compiles_to_the_same_numbers():
+@pytest.mark.parametrize("mode", ["1", "int8"])
+def test_gguf_block_kernel_compiles_to_the_same_numbers(mode, monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_CPU_QUANT", mode)
     torch.manual_seed(2)
     lin = torch.nn.Linear(64, 40, bias=True)
     lin.weight.data = gguf_q4_1(lin.weight.data)
     blocks = cpugemm.PackedLinear(lin)
-    assert blocks.kind == cpugemm.Q4_1
+    assert blocks.kind == (cpugemm.Q4_1 if cpugemm.quant_mode() == "1" else cpugemm.Q4_1_I8)
     x = torch.randn(3, 5, 64)
     assert torch.equal(torch.compile(blocks, backend="inductor", fullgraph=True)(x), blocks(x))
+
+
+needs_int8 = pytest.mark.skipif(cpugemm.why_unavailable() is not None or cpugemm.panel_width() != 16
+                                or not bool(torch.ops.eaglespec.cpu_has_vnni()),
+                                reason="the int8-activation kernel needs AVX-512 VNNI")
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What quant_mm_i8 computes, in fp64: each row's blocks of 32 rounded to int8 (d = max |x| / 127,
+    q = round(x / d)), times the fp32 weight."""
+    m, k = x.shape
+    xb = x.reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    q = torch.where(amax > 0, torch.round(xb * (127 / amax)), torch.zeros_like(xb)).clamp(-127, 127)
+    return (q * (amax / 127)).reshape(m, k).double() @ w.double().T
+
+
+@needs_int8
+@pytest.mark.parametrize("kind,make", [(cpugemm.Q4_1_I8, gguf_q4_1), (cpugemm.Q8_0_I8, gguf_q8_0)])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (960, 576), (24, 1536)])
+def test_int8_activation_kernel_computes_int8_blocks_times_the_weights(kind, make, n, k):
+    """Packed in its own layout and unpacked exactly; every row count gives the int8-rounded product
+    (to fp32 rounding), and a row's bits do not depend on the rows computed with it (one pass, several,
+    the 1-3-row kernels that split each sum), with and without bias."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k) * 0.05
+    w[0, :32] = w[0, 0]
+    w[1, -32:] = 0.0
+    w = make(w)
+    got = cpugemm.quant_pack(w, int8=True)
+    assert got is not None and got[0] == kind
+    assert torch.equal(cpugemm.quant_unpack(kind, got[1], n), w)
+    for m in (1, 2, 3, 4, 9, 16, 17, 40):
+        x = torch.randn(m, k)
+        x[0, :32] = 0.0  # an all-zero block of x (d = 0)
+        y = torch.ops.eaglespec.quant_mm(x, got[1], n, kind)
+        ref = int8_reference(x, w)
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), m
+        alone = torch.cat([torch.ops.eaglespec.quant_mm(x[i:i + 1], got[1], n, kind) for i in range(m)])
+        assert torch.equal(y, alone), m
+    lin = torch.nn.Linear(k, n, bias=True)
+    lin.weight.data = w
+    x = torch.randn(2, 5, k)
+    packed = cpugemm.PackedLinear(lin)  # the default mode
+    if cpugemm.quant_mode() == "int8":
+        assert packed.kind == kind
+        assert torch.equal(packed(x), torch.ops.eaglespec.quant_mm(x, got[1], n, kind) + lin.bias)
+
+
+@needs_int8
+@pytest.mark.parametrize("draft_q8", ["1", "0"])
+def test_an_engine_on_int8_activations_decodes_as_its_own_plain_decoding(make_oracle_pair, monkeypatch, draft_q8):
+    """EAGLESPEC_CPU_QUANT=int8: the target's GGUF blocks times int8 activations. Its tokens are not the
+    fp32 weights' (not compared), but EAGLE's are plain decoding's on the same engine token for token,
+    no tie allowed: every kernel on the way (GEMM, attention) gives a row the same bits in a tree as
+    alone. The calibration key is its own."""
+    from eaglespec import costmodel
+    monkeypatch.setenv("EAGLESPEC_CPU_QUANT", "int8")
+    monkeypatch.setenv("EAGLESPEC_DRAFT_Q8", draft_q8)
+    model, head = make_oracle_pair(noise=0.3)
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and mod.in_features % 32 == 0:
+                mod.weight.copy_(gguf_q8_0(mod.weight) if name == "lm_head" else gguf_q4_1(mod.weight))
+    engine = Engine(model, None, head)
+    kinds = {m.kind for m in engine.model.modules() if isinstance(m, cpugemm.PackedLinear)}
+    assert cpugemm.Q4_1_I8 in kinds and cpugemm.Q4_1 not in kinds
+    assert "+gguf-int8" in costmodel.table_key(engine)["gemm"]
+    torch.manual_seed(0)
+    for prompt in ([1, 5, 9, 2], [3, 3, 7, 11, 4, 8], torch.randint(0, 200, (40,)).tolist()):
+        want = engine.generate(input_ids=prompt, method="vanilla", max_new_tokens=40, temperature=0).token_ids
+        got = engine.generate(input_ids=prompt, method="eagle", max_new_tokens=40, temperature=0)
+        assert got.token_ids == want
+
+
+def test_a_bad_quant_mode_is_one_clear_error(monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_CPU_QUANT", "int4")
+    with pytest.raises(ValueError, match="EAGLESPEC_CPU_QUANT must be one of"):
+        cpugemm.quant_mode()

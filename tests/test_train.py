@@ -545,6 +545,44 @@ def test_init_head_fine_tunes_a_trained_head(trained, tiny, chats, tmp_path, cap
     assert "--init-head" in err and len(err.splitlines()) == 1
 
 
+def test_init_head_with_draft_vocab_chooses_the_vocabulary_again(trained, tiny, chats, tmp_path, capsys):
+    """--init-head with --draft-vocab N (EAGLE-1): the head keeps its weights (its loss starts near where its
+    run ended) and drafts from the N most frequent assistant tokens of this run's data; resuming keeps that
+    vocabulary. An EAGLE-3 head cannot (its LM head is over its own vocabulary): one line."""
+    from safetensors.torch import load_file
+    out = tmp_path / "ftv"
+    assert cli(*common(tiny, chats, out, "--init-head", trained / "head", "--draft-vocab", 60, "--max-steps", 2)) == 0
+    first = read_jsonl(out / "train_log.jsonl")[0]["loss"]
+    ref = read_jsonl(trained / "train_log.jsonl")
+    assert first < ref[0]["loss"]
+    sd = load_file(out / "head" / "model.safetensors")
+    assert sd["d2t"].shape == (60,) and int(sd["t2d"].sum()) == 60
+    assert "60" in capsys.readouterr().out  # the log names the new vocabulary and its coverage
+    assert cli(*common(tiny, chats, out, "--init-head", trained / "head", "--draft-vocab", 60, "--max-steps", 3,
+                       "--resume", "--replan")) == 0
+    assert load_file(out / "head" / "model.safetensors")["d2t"].shape == (60,)
+    h3 = tmp_path / "e3"
+    assert cli(*common(tiny, chats, h3, "--arch", "eagle3", "--max-steps", 1)) == 0
+    capsys.readouterr()
+    assert cli(*common(tiny, chats, tmp_path / "e3ft", "--arch", "eagle3", "--init-head", h3 / "head",
+                       "--draft-vocab", 60)) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--draft-vocab" in err and len(err.splitlines()) == 1
+
+
+def test_with_draft_vocab_changes_nothing_but_the_vocabulary():
+    from eaglespec.head import random_head
+    from eaglespec.model import ModelArgs
+    from eaglespec.train import with_draft_vocab
+    args = ModelArgs(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+    head = random_head(args, seed=1, draft_vocab=torch.arange(0, 200, 2))
+    new = with_draft_vocab(head, torch.tensor([1, 5, 7, 250]))
+    assert new.draft_ids.tolist() == [1, 5, 7, 250] and int(new.t2d.sum()) == 4
+    a, b = head.state_dict(), new.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a if k not in ("d2t", "t2d"))
+
+
 def test_first_of_each_answer_keeps_each_answers_first_tokens():
     from eaglespec.train import first_of_each_answer
     m = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 1, 1], [1, 1, 0, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)

@@ -264,6 +264,15 @@ def gguf_q4_1(w: torch.Tensor) -> torch.Tensor:
 gguf_q8_0 = cpugemm.q8_0_round  # llama.cpp's Q8_0 quantizer and gguf-py's dequantizer, as the library rounds draft heads
 
 
+def as_gguf_blocks(model):
+    """`model` with its weights rounded as a Q4_1 GGUF file holds them (the LM head Q8_0), in place."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and mod.in_features % 32 == 0:
+                mod.weight.copy_(gguf_q8_0(mod.weight) if name == "lm_head" else gguf_q4_1(mod.weight))
+    return model
+
+
 @needs_quant
 @pytest.mark.parametrize("kind,make", [(cpugemm.Q4_1, gguf_q4_1), (cpugemm.Q8_0, gguf_q8_0)])
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (49, 576), (960, 576), (24, 1536)])
@@ -315,11 +324,7 @@ def test_an_engine_on_gguf_blocks_decodes_as_on_fp32_weights(make_oracle_pair, m
     for quant in ("1", "0"):
         monkeypatch.setenv("EAGLESPEC_CPU_QUANT", quant)
         model, head = make_oracle_pair(noise=0.3)
-        with torch.no_grad():
-            for name, mod in model.named_modules():
-                if isinstance(mod, torch.nn.Linear) and mod.in_features % 32 == 0:
-                    mod.weight.copy_(gguf_q8_0(mod.weight) if name == "lm_head" else gguf_q4_1(mod.weight))
-        pairs.append(Engine(model, None, head))
+        pairs.append(Engine(as_gguf_blocks(model), None, head))
     blocks, fp32 = pairs
     kinds = {m.kind for m in blocks.model.modules() if isinstance(m, cpugemm.PackedLinear)}
     assert cpugemm.Q4_1 in kinds and {m.kind for m in fp32.model.modules() if isinstance(m, cpugemm.PackedLinear)} == {0}
@@ -404,11 +409,7 @@ def test_an_engine_on_int8_activations_decodes_as_its_own_plain_decoding(make_or
     monkeypatch.setenv("EAGLESPEC_CPU_QUANT", "int8")
     monkeypatch.setenv("EAGLESPEC_DRAFT_Q8", draft_q8)
     model, head = make_oracle_pair(noise=0.3)
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if isinstance(mod, torch.nn.Linear) and mod.in_features % 32 == 0:
-                mod.weight.copy_(gguf_q8_0(mod.weight) if name == "lm_head" else gguf_q4_1(mod.weight))
-    engine = Engine(model, None, head)
+    engine = Engine(as_gguf_blocks(model), None, head)
     kinds = {m.kind for m in engine.model.modules() if isinstance(m, cpugemm.PackedLinear)}
     assert cpugemm.Q4_1_I8 in kinds and cpugemm.Q4_1 not in kinds
     assert "+gguf-int8" in costmodel.table_key(engine)["gemm"]

@@ -2,6 +2,8 @@
 linears of the default model's shapes (random weights through llama.cpp's quantizers): ms for all 121.
 
     python scripts/int8-gemm-ab.py ROWS REPS       e.g. 1,2,4,8,12,16,24,32 9
+    python scripts/int8-gemm-ab.py ROWS REPS REV   the int8 kernel of git revision REV (its own packing, built
+                                                   as eaglespec_old) against the working tree's, results compared
 """
 import statistics
 import sys
@@ -27,8 +29,39 @@ def exact_blocks(w, last):
     return (d * ((b - lo) / d).round().clamp(0, 15) + m).reshape(n, k)
 
 
+def old_module(rev: str):
+    """eaglespec/cpugemm.py of `rev`, its ops registered as torch.ops.eaglespec_old (built into the cache)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+    src = subprocess.run(["git", "show", f"{rev}:eaglespec/cpugemm.py"], capture_output=True, text=True, check=True).stdout
+    src = (src.replace("TORCH_LIBRARY(eaglespec,", "TORCH_LIBRARY(eaglespec_old,")
+           .replace("TORCH_LIBRARY_IMPL(eaglespec,", "TORCH_LIBRARY_IMPL(eaglespec_old,")
+           .replace("torch.ops.eaglespec.", "torch.ops.eaglespec_old.").replace('"eaglespec::', '"eaglespec_old::')
+           .replace('f"eaglespec_cpugemm_{tag}"', 'f"eaglespec_old_cpugemm_{tag}"').replace("from .", "from eaglespec."))
+    path = tempfile.NamedTemporaryFile("w", suffix=".py", delete=False)
+    path.write(src)
+    path.close()
+    spec = importlib.util.spec_from_file_location("cpugemm_old", path.name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.why_unavailable() is None
+    return mod
+
+
 ws = [exact_blocks(torch.randn(n, k) * 0.02, i == len(shapes) - 1) for i, (n, k) in enumerate(shapes)]
-packs = {v: [cpugemm.quant_pack(w, int8=(v == "int8")) for w in ws] for v in ("exact", "int8")}
+if len(sys.argv) > 3:  # int8 of REV against int8 of the working tree
+    old = old_module(sys.argv[3])
+    packs = {"old": [old.quant_pack(w, int8=True) for w in ws], "new": [cpugemm.quant_pack(w, int8=True) for w in ws]}
+    ops = {"old": torch.ops.eaglespec_old.quant_mm, "new": torch.ops.eaglespec.quant_mm}
+    x = torch.randn(5, 576)
+    same = all(torch.equal(ops["old"](x, po[1], n, po[0]), ops["new"](x, pn[1], n, pn[0]))
+               for (n, k), po, pn in zip(shapes[:3] + shapes[-1:], packs["old"][:3] + packs["old"][-1:],
+                                         packs["new"][:3] + packs["new"][-1:]))
+    print("same results as", sys.argv[3], ":", same, flush=True)
+else:
+    packs = {v: [cpugemm.quant_pack(w, int8=(v == "int8")) for w in ws] for v in ("exact", "int8")}
+    ops = {v: torch.ops.eaglespec.quant_mm for v in packs}
 rows = [int(a) for a in sys.argv[1].split(",")]
 xs = {M: {k: torch.randn(M, k) for k in (576, 1536)} for M in rows}
 res = {(v, M): [] for v in packs for M in rows}
@@ -36,8 +69,9 @@ for rep in range(int(sys.argv[2])):
     for M in rows:
         for v, pk in packs.items():
             t = time.perf_counter()
+            op = ops[v]
             for (n, k), (kind, p) in zip(shapes, pk):
-                torch.ops.eaglespec.quant_mm(xs[M][k], p, n, kind)
+                op(xs[M][k], p, n, kind)
             res[(v, M)].append((time.perf_counter() - t) * 1e3)
 print("rows | " + " | ".join(map(str, rows)))
 for v in packs:

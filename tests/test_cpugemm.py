@@ -381,6 +381,7 @@ def test_int8_activation_kernel_computes_int8_blocks_times_the_weights(kind, mak
     got = cpugemm.quant_pack(w, int8=True)
     assert got is not None and got[0] == kind
     assert torch.equal(cpugemm.quant_unpack(kind, got[1], n), w)
+    assert got[1].numel() * 8 == -(-n // 16) * 16 * k * (9 if kind == cpugemm.Q8_0_I8 else 5)  # bits a weight
     for m in (1, 2, 3, 4, 9, 16, 17, 40):
         x = torch.randn(m, k)
         x[0, :32] = 0.0  # an all-zero block of x (d = 0)

@@ -1,6 +1,7 @@
 # Issue 9 reference runs on the int8-activation default (EAGLESPEC_CPU_QUANT unset = int8; quiet, nothing else running), shipped head.
 set -e
-out=docs/bench/issue9/s23-int8
+out=${OUT:-docs/bench/issue9/s23-int8}  # the second run, after the fp16 scales: OUT=docs/bench/issue9/s23-int8/fp16-scales
+mkdir -p $out
 for i in 1 2; do eaglespec calibrate --reps 31 --json > $out/calibrate-$i.json; done
 eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 --temperature 0 \
   --json $out/mt80-T0.json --report $out/mt80-T0

@@ -18,15 +18,17 @@ rows = [int(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "1,8,16,32,64").s
 reps = int(sys.argv[2]) if len(sys.argv) > 2 else 7
 modes = os.environ.get("MODES", "int8,1,0").split(",")
 torch.manual_seed(0)
+lengths = [300 + 200 * r // max(rows) for r in range(max(rows))]  # each row a context of its own, 300-500 tokens
+prompts = [torch.randint(0, 49152, (n,)).tolist() for n in lengths]
 decoders = {}
 for mode in modes:
     os.environ["EAGLESPEC_CPU_QUANT"] = mode
     model, _ = load_target(None)
-    dec = BatchDecoder(model, max(rows), 1024)
-    for r in range(max(rows)):  # each row a context of its own length, 300-500 tokens
-        dec.prefill(r, torch.randint(0, 49152, (300 + 200 * r // max(rows),)).tolist(), 0)
-    decoders[mode] = dec
-lengths = [300 + 200 * r // max(rows) for r in range(max(rows))]
+    for n in rows:  # a decoder of n rows per batch size: a step always runs all of its decoder's rows
+        dec = BatchDecoder(model, n, 1024)
+        for r in range(n):
+            dec.prefill(r, prompts[r], 0)
+        decoders[(mode, n)] = dec
 times = {(m, n): [] for m in modes for n in rows}
 with torch.inference_mode():
     for rep in range(reps):
@@ -34,7 +36,7 @@ with torch.inference_mode():
             for m in (modes if rep % 2 == 0 else modes[::-1]):
                 toks = torch.randint(0, 49152, (n,)).tolist()
                 t = time.perf_counter()
-                decoders[m].step(list(range(n)), toks, lengths[:n])
+                decoders[(m, n)].step(list(range(n)), toks, lengths[:n])
                 times[(m, n)].append((time.perf_counter() - t) * 1e3)
 print("rows | " + " | ".join(f"{m} ms a step (tok/s, vs 1 row)" for m in modes))
 for n in rows:

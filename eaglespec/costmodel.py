@@ -81,6 +81,8 @@ def gemm_name(engine) -> str:
         name += "+gguf"  # weights kept as their GGUF blocks (cpugemm.quant_mm): other costs
         if any(getattr(m, "kind", 0) > 10 for m in engine.model.modules()):
             name += "-int8"  # ... times int8 activations (EAGLESPEC_CPU_QUANT=int8): other costs again
+    if any(getattr(m, "on_huge_pages", False) for m in engine.model.modules()):
+        name += "+huge"  # the packed weights on 2 MiB pages (cpugemm.onto_huge_pages): a faster step
     if engine.head is not None and any(getattr(m, "kind", 0) for m in engine.head.modules()):
         name += "+q8draft"  # the head's linears rounded to Q8_0 blocks (cpugemm.packed_copy): other draft costs
     return name

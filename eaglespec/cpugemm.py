@@ -40,9 +40,12 @@ GEMMs: a new process then loads each graph from the FX graph cache in ~4 s inste
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import mmap
 import os
 import platform
+import sys
 
 import torch
 from torch import nn
@@ -1245,12 +1248,65 @@ def pack_linears(model: nn.Module, fuse: bool = True, round_q8: bool = False) ->
             if _linear(child):
                 setattr(parent, name, PackedLinear(child, round_q8=round_q8))
                 swapped += 1
+    if swapped:
+        onto_huge_pages(packed_slots(model))
     if swapped and attention_available():
         from .model import Attention
         for m in model.modules():
             if isinstance(m, Attention) and m.hd % 16 == 0 and m.hd <= 256:
                 m.small_attention = True
     return swapped
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages_enabled() -> bool:
+    """Whether packed weights go onto transparent huge pages: Linux (madvise), unless EAGLESPEC_HUGEPAGES=0."""
+    return (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
+            and os.environ.get("EAGLESPEC_HUGEPAGES", "1") != "0")
+
+
+def onto_huge_pages(slots: list[tuple[nn.Module, str]]) -> bool:
+    """Move the CPU tensors `getattr(module, name)` into one anonymous mapping advised for transparent
+    huge pages (2 MiB), in place; False (nothing moved) where that is not possible or is turned off.
+    The engine puts its packed weights there (`packed_slots`). Its KV caches stay on 4 KiB pages: moved
+    too, they measured no faster (6 MT-bench questions, interleaved, quiet: plain 185.6 against 192.0
+    tok/s, EAGLE 245.2 against 246.0, within the pairs' noise).
+
+    Why: a decoding step streams ~100 MiB of packed weights, on 4 KiB pages ~25,000 TLB misses a step,
+    and the hardware prefetchers stop at every 4 KiB page boundary. Measured on our Zen 4 (all 121
+    linears of the default model, int8 kernel, interleaved, quiet, three runs): 1 / 2 / 4 rows 3.61-3.77
+    / 3.65-3.86 / 4.30-4.57 ms on 4 KiB pages against 3.29-3.64 / 3.52-3.62 / 3.98-4.24 on 2 MiB ones.
+    One mapping for all of them, not one per tensor, so the rounding to 2 MiB is paid once. The values
+    are copied unchanged: results are bit for bit the same."""
+    slots = [(m, n) for m, n in slots if getattr(m, n).device.type == "cpu" and getattr(m, n).is_contiguous()]
+    if not slots or not huge_pages_enabled():
+        return False
+    tensors = [getattr(m, n) for m, n in slots]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // 64) * 64  # every tensor on a cache line of its own, as torch's allocator does
+    try:
+        arena = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return False
+    # the mapping's start is only 4 KiB-aligned: start the tensors on a 2 MiB boundary
+    skip = -ctypes.addressof(ctypes.c_char.from_buffer(arena)) % HUGE_PAGE
+    for (m, name), t, size, off in zip(slots, tensors, sizes, offsets):
+        # frombuffer's tensor keeps the mapping alive (it holds a buffer export of it)
+        moved = torch.frombuffer(arena, dtype=torch.uint8, count=size, offset=skip + off).view(t.dtype).view(t.shape)
+        moved.copy_(t)
+        setattr(m, name, moved)
+        m.on_huge_pages = True  # the calibration's key tells the two layouts' tables apart
+    return True
+
+
+def packed_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    return [(m, "packed") for m in module.modules() if isinstance(m, PackedLinear)]
 
 
 def attention_available() -> bool:

@@ -211,6 +211,7 @@ class Engine:
                 self.head = head = cpugemm.packed_copy(head)
             if rows is not None:
                 self._draft_lm = cpugemm.PackedLinear(self._draft_lm)
+                cpugemm.onto_huge_pages(cpugemm.packed_slots(self._draft_lm))
         self.compile_mode = (compile if isinstance(compile, str) else default_mode(self.device)) if compile else None
         self.compiled = self.compile_mode is not None
         if self.compiled:

@@ -4,7 +4,12 @@ linears of the default model's shapes (random weights through llama.cpp's quanti
     python scripts/int8-gemm-ab.py ROWS REPS       e.g. 1,2,4,8,12,16,24,32 9
     python scripts/int8-gemm-ab.py ROWS REPS REV   the int8 kernel of git revision REV (its own packing, built
                                                    as eaglespec_old) against the working tree's, results compared
+    python scripts/int8-gemm-ab.py ROWS REPS hugepages   the int8 kernel on weights on 4 KiB pages against the same
+                                                   weights moved onto 2 MiB pages (cpugemm.onto_huge_pages)
+    PAUSE=PID stops a background job while it times.
 """
+import os
+import signal
 import statistics
 import sys
 import time
@@ -50,7 +55,16 @@ def old_module(rev: str):
 
 
 ws = [exact_blocks(torch.randn(n, k) * 0.02, i == len(shapes) - 1) for i, (n, k) in enumerate(shapes)]
-if len(sys.argv) > 3:  # int8 of REV against int8 of the working tree
+if len(sys.argv) > 3 and sys.argv[3] == "hugepages":
+    small = [cpugemm.quant_pack(w, int8=True) for w in ws]
+    holders = [torch.nn.Module() for _ in small]
+    for h, (_, p) in zip(holders, small):
+        h.packed = p.clone()
+    assert cpugemm.onto_huge_pages([(h, "packed") for h in holders])
+    packs = {"4k": small, "2M": [(kind, h.packed) for (kind, _), h in zip(small, holders)]}
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(packs["4k"], packs["2M"]))
+    ops = {v: torch.ops.eaglespec.quant_mm for v in packs}
+elif len(sys.argv) > 3:  # int8 of REV against int8 of the working tree
     old = old_module(sys.argv[3])
     packs = {"old": [old.quant_pack(w, int8=True) for w in ws], "new": [cpugemm.quant_pack(w, int8=True) for w in ws]}
     ops = {"old": torch.ops.eaglespec_old.quant_mm, "new": torch.ops.eaglespec.quant_mm}
@@ -65,14 +79,21 @@ else:
 rows = [int(a) for a in sys.argv[1].split(",")]
 xs = {M: {k: torch.randn(M, k) for k in (576, 1536)} for M in rows}
 res = {(v, M): [] for v in packs for M in rows}
-for rep in range(int(sys.argv[2])):
-    for M in rows:
-        for v, pk in packs.items():
-            t = time.perf_counter()
-            op = ops[v]
-            for (n, k), (kind, p) in zip(shapes, pk):
-                op(xs[M][k], p, n, kind)
-            res[(v, M)].append((time.perf_counter() - t) * 1e3)
+pause = int(os.environ.get("PAUSE", 0))
+if pause:
+    os.kill(pause, signal.SIGSTOP)
+try:
+    for rep in range(int(sys.argv[2])):
+        for M in rows:
+            for v, pk in (packs.items() if rep % 2 else list(packs.items())[::-1]):  # the order alternates
+                t = time.perf_counter()
+                op = ops[v]
+                for (n, k), (kind, p) in zip(shapes, pk):
+                    op(xs[M][k], p, n, kind)
+                res[(v, M)].append((time.perf_counter() - t) * 1e3)
+finally:
+    if pause:
+        os.kill(pause, signal.SIGCONT)
 print("rows | " + " | ".join(map(str, rows)))
 for v in packs:
     med = {M: statistics.median(res[(v, M)]) for M in rows}

@@ -110,6 +110,38 @@ def test_engine_swaps_the_target_linears_and_decodes_as_before(make_oracle_pair,
             same_or_tie(model_a, prompt, got, want)
 
 
+@pytest.mark.skipif(not cpugemm.huge_pages_enabled(), reason="transparent huge pages are Linux's (madvise)")
+def test_packed_weights_move_onto_huge_pages_with_the_same_bits(make_oracle_pair, monkeypatch):
+    """The engine's packed weights (target, head, draft LM-head rows) sit in 2 MiB-aligned mappings advised
+    for huge pages, each tensor on a line of its own, and give the same logits as before the move;
+    EAGLESPEC_HUGEPAGES=0 leaves them where torch put them."""
+    lins = [cpugemm.PackedLinear(torch.nn.Linear(64, n)) for n in (48, 80, 16)]
+    x = torch.randn(3, 64)
+    want = [lin(x) for lin in lins]
+    assert cpugemm.onto_huge_pages(cpugemm.packed_slots(torch.nn.ModuleList(lins)))
+    ptrs = [lin.packed.data_ptr() for lin in lins]
+    assert ptrs[0] % cpugemm.HUGE_PAGE == 0 and all(p % 64 == 0 for p in ptrs) and len(set(ptrs)) == 3
+    _ = [torch.randn(256, 1024) for _ in range(8)]  # the mapping outlives the call that made it
+    assert all(torch.equal(lin(x), w) for lin, w in zip(lins, want))
+
+    model, head = make_oracle_pair()
+    engine = Engine(model, None, head)
+    packed = [m.packed for mod in (model, engine.head, engine._draft_lm) for m in mod.modules()
+              if isinstance(m, cpugemm.PackedLinear)]
+    assert packed
+    starts = {mod: min(m.packed.data_ptr() for m in mod.modules() if isinstance(m, cpugemm.PackedLinear))
+              for mod in (model, engine.head, engine._draft_lm)}
+    assert all(p % cpugemm.HUGE_PAGE == 0 for p in starts.values())
+    monkeypatch.setenv("EAGLESPEC_HUGEPAGES", "0")
+    assert not cpugemm.onto_huge_pages(cpugemm.packed_slots(torch.nn.ModuleList(lins)))
+    model2, head2 = make_oracle_pair()
+    plain = Engine(model2, None, head2)
+    prompt = [1, 5, 9, 2]
+    for method in ("vanilla", "eagle"):
+        assert (engine.generate(input_ids=prompt, method=method, max_new_tokens=16, temperature=0).token_ids
+                == plain.generate(input_ids=prompt, method=method, max_new_tokens=16, temperature=0).token_ids)
+
+
 def test_packed_gemm_can_be_turned_off(make_oracle_pair, monkeypatch):
     model, head = make_oracle_pair()
     assert not Engine(model, None, head, packed_gemm=False).packed_gemm

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # v9: head v8 trained for one more epoch over the whole regenerated corpus, once `eaglespec regenerate` has
-# finished it (all 348 shards: 9,440 conversations planned, 17,397 records), features computed in the loop
+# finished it (all 348 shards: 9,436 conversations, 16,394 records; 3,184 steps of <= 4,096 tokens, ~4.4-5 s a
+# step alone on our 2 cores, so ~4.5 h; started in the twenty-fourth session), features computed in the loop
 # in bf16, as for v8. v8 saw shards 0-227 once; v9 sees those a second time and shards 228-347 a first.
 # Its draft vocabulary is chosen again (--draft-vocab 8192 with --init-head): the 8,192 most frequent tokens
 # of the target's own answers, not of ChatGPT's (which v1 chose and v2-v8 kept): 91.6 % of the target's greedy

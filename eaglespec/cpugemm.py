@@ -1280,11 +1280,11 @@ def onto_huge_pages(slots: list[tuple[nn.Module, str]]) -> bool:
     / 3.65-3.86 / 4.30-4.57 ms on 4 KiB pages against 3.29-3.64 / 3.52-3.62 / 3.98-4.24 on 2 MiB ones.
     One mapping for all of them, not one per tensor, so the rounding to 2 MiB is paid once. The values
     are copied unchanged: results are bit for bit the same."""
-    slots = [(m, n) for m, n in slots if getattr(m, n).device.type == "cpu" and getattr(m, n).is_contiguous()]
-    if not slots or not huge_pages_enabled():
+    moving = [(m, n, getattr(m, n)) for m, n in slots]
+    moving = [(m, n, t) for m, n, t in moving if t.device.type == "cpu" and t.is_contiguous()]
+    if not moving or not huge_pages_enabled():
         return False
-    tensors = [getattr(m, n) for m, n in slots]
-    sizes = [t.numel() * t.element_size() for t in tensors]
+    sizes = [t.numel() * t.element_size() for _, _, t in moving]
     offsets, total = [], 0
     for size in sizes:
         offsets.append(total)
@@ -1296,7 +1296,7 @@ def onto_huge_pages(slots: list[tuple[nn.Module, str]]) -> bool:
         return False
     # the mapping's start is only 4 KiB-aligned: start the tensors on a 2 MiB boundary
     skip = -ctypes.addressof(ctypes.c_char.from_buffer(arena)) % HUGE_PAGE
-    for (m, name), t, size, off in zip(slots, tensors, sizes, offsets):
+    for (m, name, t), size, off in zip(moving, sizes, offsets):
         # frombuffer's tensor keeps the mapping alive (it holds a buffer export of it)
         moved = torch.frombuffer(arena, dtype=torch.uint8, count=size, offset=skip + off).view(t.dtype).view(t.shape)
         moved.copy_(t)

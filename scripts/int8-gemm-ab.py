@@ -59,7 +59,7 @@ if len(sys.argv) > 3 and sys.argv[3] == "hugepages":
     small = [cpugemm.quant_pack(w, int8=True) for w in ws]
     holders = [torch.nn.Module() for _ in small]
     for h, (_, p) in zip(holders, small):
-        h.packed = p.clone()
+        h.packed = p  # onto_huge_pages copies it and rebinds h.packed; `small` keeps the 4 KiB original
     assert cpugemm.onto_huge_pages([(h, "packed") for h in holders])
     packs = {"4k": small, "2M": [(kind, h.packed) for (kind, _), h in zip(small, holders)]}
     assert all(torch.equal(a[1], b[1]) for a, b in zip(packs["4k"], packs["2M"]))

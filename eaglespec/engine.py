@@ -118,6 +118,22 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
 
 
+def check_request(method, max_new_tokens, temperature, top_p, top_k, seed, stop) -> tuple[SamplingParams, list[str]]:
+    """A generation request's own arguments checked, needing no model: the CLI calls this before it spends
+    seconds loading one, and every stream calls it again. Returns the sampling parameters and the stop list."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got '{method}'")
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
+    params = SamplingParams(float(temperature) if isinstance(temperature, (int, float)) else temperature,
+                            float(top_p) if isinstance(top_p, (int, float)) else top_p, top_k)
+    check_seed(seed)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError("stop must be a non-empty string or a list of them")
+    return params, stops
+
+
 def _longest_token_chars(tokenizer) -> int:
     """An upper bound on the characters one token covers: its longest vocabulary entry (byte-level
     entries spell one character per byte, so they never undercount). Cached on the tokenizer."""
@@ -663,16 +679,7 @@ class Engine:
     @torch.inference_mode()
     def _stream(self, prompt, messages, input_ids, method, max_new_tokens, temperature, top_p, top_k, seed, stop,
                 ignore_eos) -> Iterator[StreamChunk]:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got '{method}'")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens}")
-        params = SamplingParams(float(temperature) if isinstance(temperature, (int, float)) else temperature,
-                                float(top_p) if isinstance(top_p, (int, float)) else top_p, top_k)
-        check_seed(seed)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError("stop must be a non-empty string or a list of them")
+        params, stops = check_request(method, max_new_tokens, temperature, top_p, top_k, seed, stop)
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         if method == "eagle":

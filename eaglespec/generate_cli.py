@@ -29,10 +29,16 @@ def add_cli(sub) -> None:
     c.set_defaults(func=run_chat)
 
 
-def _request(engine, args, prompt: str) -> dict:
+def _check_before_loading(args, kw: dict) -> None:
+    """Bad arguments fail in a second, not after the model has loaded (tens of seconds)."""
+    from .engine import check_request  # torch: imported only when a command runs, not for --help
+    check_request(args.method, kw["max_new_tokens"], kw["temperature"], kw["top_p"], kw["top_k"], kw["seed"], kw["stop"])
+
+
+def _request(args, prompt: str) -> dict:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
               top_k=args.top_k, seed=args.seed, stop=args.stop)
-    if args.raw:
+    if getattr(args, "raw", False):  # chat has no --raw
         kw["prompt"] = prompt
     else:
         kw["messages"] = [{"role": "user", "content": prompt}]
@@ -62,8 +68,9 @@ def run_generate(args) -> int:
         raise ValueError("the prompt is empty")
     if args.compare and args.repeats < 1:
         raise ValueError("--repeats must be at least 1")
+    kw = _request(args, prompt)
+    _check_before_loading(args, kw)
     engine = build_engine(args)
-    kw = _request(engine, args, prompt)
     engine.encode(**{k: kw[k] for k in ("prompt", "messages") if k in kw})  # validate before loading time
     if not args.compare:
         r = _stream(engine, kw, args.method, show=not args.json)
@@ -112,6 +119,7 @@ def _median_speedup(engine, kw, v, e, repeats: int) -> tuple[float, list[dict]]:
 
 
 def run_chat(args) -> int:
+    _check_before_loading(args, _request(args, "-"))
     engine = build_engine(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()

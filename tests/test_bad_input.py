@@ -99,6 +99,16 @@ def test_bad_sampling_parameters(flag, value, kwarg, capsys, folders):
     assert msg == api_error(lambda: tiny_engine(folders).generate("hi", **{kwarg: value}))
 
 
+@pytest.mark.parametrize("command,flag,value,kwarg", [
+    ("generate", "--max-new-tokens", 0, "max_new_tokens"), ("generate", "--temperature", -1, "temperature"),
+    ("generate", "--seed", -1, "seed"), ("chat", "--top-k", -2, "top_k"), ("chat", "--top-p", 2, "top_p")])
+def test_bad_arguments_fail_before_the_model_loads(command, flag, value, kwarg, capsys, folders):
+    """A missing model would be the error if loading came first: the argument's error must win (and take
+    a second, not the tens of seconds a real model takes to load)."""
+    argv = [command, "--model", folders["missing"], "--device", "cpu", flag, value] + (["hi"] if command == "generate" else [])
+    assert kwarg in cli_error(capsys, *argv)
+
+
 @pytest.mark.parametrize("kw", [
     dict(prompt="hi", max_new_tokens=0), dict(prompt="hi", method="beam"), dict(prompt="hi", top_k=-1),
     dict(prompt=""), dict(prompt="hi", input_ids=[1]), dict(input_ids=[320]), dict(input_ids=[]),

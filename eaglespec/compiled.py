@@ -117,7 +117,10 @@ class StaticCall:
     """`fn(*inputs, slots=, mask=)` as a fixed-shape call on a module with a KV cache.
 
     The caller gives `cache_start` (the first cache slot written) and, optionally, the visibility
-    mask (t, cache_start + t); without one, the t tokens are causal after `cache_start` cached ones.
+    mask of the last m columns, (t, m) with m <= cache_start + t: every column before those is visible to
+    every token (a tree or a frontier sees all committed tokens, so callers pass only the part that
+    differs, not a row of cache_start ones each). Without a mask the t tokens are causal after
+    `cache_start` cached ones.
     """
 
     def __init__(self, fn, cache_owner, compile_mode: str | None = None, name: str = "", packed: bool = False,
@@ -137,16 +140,27 @@ class StaticCall:
         self.skip_guards, self.state = skip_guards, state
         self._fn = compile_fn(fn, compile_mode, packed) if self.compiled else fn
         self._warm: set = set()  # the shapes this call has run (and so compiled) once
+        self._tril: dict = {}
+
+    def _causal(self, t: int, device) -> torch.Tensor:
+        """(t, t) lower-triangular, kept per size: built once, copied into each call's mask."""
+        key = (t, str(device))
+        if key not in self._tril:
+            self._tril[key] = torch.ones(t, t, dtype=torch.bool, device=device).tril()
+        return self._tril[key]
 
     def __call__(self, *inputs, cache_start: int, t: int, mask: torch.Tensor | None = None):
         end = cache_start + t
         device = inputs[0].device
         kv_len = kv_len_for(end, self.cache_owner.cache.max_len)
-        full = torch.zeros(t, kv_len, dtype=torch.bool, device=device)
         if mask is None:
-            full[:, :end] = torch.ones(t, end, dtype=torch.bool, device=device).tril(cache_start)
-        else:
-            full[:, :end] = mask
+            mask = self._causal(t, device)
+        seen = end - mask.shape[1]
+        if seen < 0 or mask.shape[0] != t:
+            raise ValueError(f"{self.name}: mask {tuple(mask.shape)} does not fit {t} tokens after {cache_start}")
+        full = torch.zeros(t, kv_len, dtype=torch.bool, device=device)
+        full[:, :seen] = True
+        full[:, seen:end] = mask
         slots = torch.arange(cache_start, end, device=device)
         if self.compiled:
             torch._dynamo.mark_dynamic(full, 1)

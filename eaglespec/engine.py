@@ -24,7 +24,7 @@ from .sampling import SamplingParams, next_token
 from .compiled import StaticCall, compile_fn, configure_inductor, default_mode
 from .costmodel import AUTO_BUCKETS, SpecSwitch, TreePolicy
 from .stopping import Stopper, stream_delta
-from .tree import Drafter, Tree, TreeConfig, select_tree, top_by_score
+from .tree import Drafter, HostCandidates, Tree, TreeConfig, top_by_score, tree_from_host
 from .verify import greedy_accept, verify
 
 METHODS = ("eagle", "vanilla")
@@ -426,22 +426,21 @@ class Engine:
     def _choose_tree(self, root: int, cands, depth: int, chain: list[int]) -> Tree:
         """The verified tree: fixed for static trees and fixed sizes; the cost model's pick for auto.
         `chain`: the n-gram proposer's continuation, attached below the root beside the head's nodes."""
-        nodes, alone, host = [], [], None
+        host = HostCandidates.read(cands)  # the round's one read while drafting
+        nodes, alone = [], []
         if chain:
-            cands, nodes, alone, host = attach_chain(cands, chain, self._ngram.accept)
+            host, nodes, alone = attach_chain(host, chain, self._ngram.accept)
         free = frozenset(i for i, a in zip(nodes, alone) if a)
         if cands.fixed is not None:
             keep = cands.fixed
         elif self.policy is not None:
-            # the round's one read while drafting (attach_chain has done it when there is a chain)
-            scores, depths = host or (cands.scores.tolist(), cands.depths.tolist())
-            _, keep = self.policy.choose(scores, depths, depth, free)
+            _, keep = self.policy.choose(host.scores, host.depths, depth, free)
             mine = [i for i in keep if i not in free]  # the policy calibrates the head's nodes only
-            self._kept = ([scores[i] for i in mine], [depths[i] for i in mine])
+            self._kept = ([host.scores[i] for i in mine], [host.depths[i] for i in mine])
         else:
-            keep = top_by_score(cands, min(self.tree.total_tokens, len(cands))).tolist()
+            keep = top_by_score(host.scores, min(self.tree.total_tokens, len(host)))
         self._round = (list(keep), nodes, free)
-        return select_tree(torch.tensor(root), cands, keep)
+        return tree_from_host(root, host, keep, self.device)
 
     def _learn(self, path: list[int]) -> None:
         """After verification: calibrate the tree policy on the head's nodes and the n-gram proposer on
@@ -554,8 +553,7 @@ class Engine:
             _sync(dev)
             t1 = time.perf_counter()
             n = len(tree)
-            mask = torch.cat([torch.ones(n, cur, dtype=torch.bool, device=dev), tree.ancestor_mask()], dim=1)
-            f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
+            f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, tree.ancestor_mask())
             if params.greedy:
                 path, bonus, new = greedy_accept(tree, amax)
             else:
@@ -594,8 +592,7 @@ class Engine:
         t1 = time.perf_counter()
         one = lambda v: torch.tensor([v], device=dev)  # noqa: E731
         tree = Tree(tokens=one(root), parents=one(-1), depths=one(0))
-        mask = torch.ones(1, cur + 1, dtype=torch.bool, device=dev)
-        f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
+        f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur)  # one token: sees every slot
         bonus = int(amax[0]) if params.greedy else verify(tree, lg, params, gen)[1]
         t2 = time.perf_counter()
         timers.verify += t2 - t1

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from .tree import Candidates
+from .tree import HostCandidates
 
 MIN_N, MAX_N = 2, 4   # a 1-token match is right 22 % of the time here: not worth a verified slot
 PRIOR = 0.5           # chance a chain-only node is accepted given its parent was, before any round is seen
@@ -65,19 +63,16 @@ class NgramProposer:
             self.accept[d] += EMA * (float(ok) - self.accept[d])
 
 
-def attach_chain(cands: Candidates, chain: list[int], rates: list[float]):
-    """The candidates with `chain` attached below the root. A chain token the head also drafted under
-    the same parent is that node (siblings must carry distinct tokens): it keeps the head's score. A
-    token only the chain proposes becomes a new node scored as its parent's score + log(rate at its
-    depth), i.e. P(parent accepted) x P(this token | parent accepted). Returns (candidates, the chain's
-    candidate indices, whether each of those is the chain's alone, and the candidates' scores and depths
-    as host lists: the policy needs them, and reading them back from the new tensors would be a second
-    host read in the round).
+def attach_chain(cands: HostCandidates, chain: list[int], rates: list[float]):
+    """The candidates (host lists, as the round has read them) with `chain` attached below the root. A chain
+    token the head also drafted under the same parent is that node (siblings must carry distinct tokens): it
+    keeps the head's score. A token only the chain proposes becomes a new node scored as its parent's score
+    + log(rate at its depth), i.e. P(parent accepted) x P(this token | parent accepted). Returns (the new
+    candidates, the chain's candidate indices, whether each of those is the chain's alone).
 
     Scores stay non-increasing from parent to child, and new nodes come after their parents, so a
     stable sort by score still keeps any prefix connected."""
-    tokens, parents = cands.tokens.tolist(), cands.parents.tolist()
-    depths, scores = cands.depths.tolist(), cands.scores.tolist()
+    tokens, parents, depths, scores = list(cands.tokens), list(cands.parents), list(cands.depths), list(cands.scores)
     where = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
     nodes, alone, parent, score = [], [], -1, 0.0
     for d, tok in enumerate(chain, 1):
@@ -91,7 +86,4 @@ def attach_chain(cands: Candidates, chain: list[int], rates: list[float]):
         nodes.append(i)
         alone.append(i >= len(cands))
         parent = i
-    dev = cands.tokens.device
-    out = Candidates(torch.tensor(tokens, device=dev), torch.tensor(parents, device=dev),
-                     torch.tensor(depths, device=dev), torch.tensor(scores, device=dev, dtype=cands.scores.dtype))
-    return out, nodes, alone, (scores, depths)
+    return HostCandidates(tokens, parents, depths, scores), nodes, alone

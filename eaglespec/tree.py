@@ -1,9 +1,10 @@
 """Drafting: grow a tree of candidate tokens with the draft head (the proposer).
 
-Everything here is tensor operations on the device: no per-node Python lists and no host reads
-inside the depth loop. A round drafts *candidates* (every node the head proposed, with its parent,
-depth and cumulative log-probability); the tree that is verified is a subset of them chosen
-afterwards (`select_tree`), so its size can be picked by a cost model once the scores are known.
+Drafting is tensor operations on the device: no per-node Python lists and no host reads inside the
+depth loop. A round drafts *candidates* (every node the head proposed, with its parent, depth and
+cumulative log-probability); the tree that is verified is a subset of them chosen afterwards, so its
+size can be picked by a cost model once the scores are known. That choice reads the candidates to
+the host once (`HostCandidates`) and builds the tree from the lists (`tree_from_host`).
 
 In the verified tree, node 0 is the root (the last token already chosen, which the target has not
 yet processed); every other node is a candidate continuation, and parents precede their children.
@@ -79,6 +80,7 @@ class Tree:
     parents: torch.Tensor   # (N,) long, parent index, -1 for the root
     depths: torch.Tensor    # (N,) long, root = 0
     ancestors: torch.Tensor | None = None  # (N, N) bool: j is i or an ancestor of i
+    host: tuple[list[int], list[int], list[int]] | None = None  # tokens, parents, depths as host lists
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -88,9 +90,16 @@ class Tree:
             self.ancestors = ancestor_mask(self.parents, int(self.depths.max()) if len(self) else 0)
         return self.ancestors
 
+    def host_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, parents, depths) as Python lists: kept from the host lists the tree was built from, or
+        read once."""
+        if self.host is None:
+            self.host = (self.tokens.tolist(), self.parents.tolist(), self.depths.tolist())
+        return self.host
+
     def children(self) -> list[list[int]]:
         kids: list[list[int]] = [[] for _ in range(len(self))]
-        for i, p in enumerate(self.parents.tolist()):
+        for i, p in enumerate(self.host_lists()[1]):
             if p >= 0:
                 kids[p].append(i)
         return kids
@@ -123,27 +132,48 @@ class Candidates:
         return self.tokens.numel()
 
 
-def select_tree(root: torch.Tensor, cands: Candidates, keep: list[int] | torch.Tensor) -> Tree:
-    """The verified tree: the root plus candidates `keep` (ascending, closed under parents)."""
-    dev = cands.tokens.device
-    idx = torch.as_tensor(keep, dtype=torch.long, device=dev)
-    n = idx.numel() + 1
-    where = torch.zeros(len(cands), dtype=torch.long, device=dev)
-    where[idx] = torch.arange(1, n, device=dev)
-    par = cands.parents[idx]
-    parents = torch.cat([torch.full((1,), -1, device=dev, dtype=torch.long),
-                         torch.where(par < 0, 0, where[par.clamp(min=0)])])
-    depths = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), cands.depths[idx]])
-    tokens = torch.cat([root.reshape(1).to(dev), cands.tokens[idx]])
-    max_depth = int(cands.depths.max()) if len(cands) else 0
-    return Tree(tokens, parents, depths, ancestor_mask(parents, max_depth))
+@dataclass
+class HostCandidates:
+    """A round's candidates as Python lists, read from the device in one go once drafting is done: choosing
+    and building the verified tree of a few nodes takes a few dozen list operations on the host, where tensor
+    operations would cost ~5-15 us each on a CPU whose caches the verification has just flushed."""
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    scores: list[float]
+
+    @classmethod
+    def read(cls, cands: Candidates) -> "HostCandidates":
+        # one read: the ids (< 2**53) and depths are exact in float64, and float32 scores convert exactly
+        rows = torch.stack([cands.tokens.double(), cands.parents.double(), cands.depths.double(),
+                            cands.scores.double()]).tolist()
+        return cls(*[list(map(int, r)) for r in rows[:3]], rows[3])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
 
-def top_by_score(cands: Candidates, n_keep: int) -> torch.Tensor:
-    """Indices of the `n_keep` best candidates, ascending. A child never scores above its parent and
-    the sort is stable (parents come first on ties), so the kept set is always a connected tree."""
-    order = torch.sort(cands.scores, descending=True, stable=True).indices[:n_keep]
-    return order.sort().values
+def tree_from_host(root: int, cands: HostCandidates, keep: list[int], device) -> Tree:
+    """The verified tree: the root plus candidates `keep` (ascending, closed under parents), its ancestor
+    mask built row by row (a node's row is its parent's plus itself)."""
+    where = {c: i for i, c in enumerate(keep, 1)}
+    tokens = [root] + [cands.tokens[c] for c in keep]
+    parents = [-1] + [0 if cands.parents[c] < 0 else where[cands.parents[c]] for c in keep]
+    depths = [0] + [cands.depths[c] for c in keep]
+    n = len(tokens)
+    rows: list[list[bool]] = []
+    for i, par in enumerate(parents):
+        row = list(rows[par]) if par >= 0 else [False] * n
+        row[i] = True
+        rows.append(row)
+    t = lambda x, dtype=torch.long: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    return Tree(t(tokens), t(parents), t(depths), t(rows, torch.bool), host=(tokens, parents, depths))
+
+
+def top_by_score(scores: list[float], n_keep: int) -> list[int]:
+    """Indices of the `n_keep` best candidates, ascending. A child never scores above its parent and the
+    sort is stable (parents come first on ties), so the kept set is always a connected tree."""
+    return sorted(sorted(range(len(scores)), key=lambda i: -scores[i])[:n_keep])
 
 
 def _static_plan(paths: list[list[int]], k: int):
@@ -206,10 +236,10 @@ class Drafter:
             f = front.numel()
             own = torch.eye(f, dtype=torch.bool, device=dev)
             f_anc = own if f_anc is None else torch.cat([f_anc, own], dim=1)
-            mask = torch.cat([torch.ones(f, base, dtype=torch.bool, device=dev), f_anc], dim=1)
             pos = torch.full((1, f), base + d - 2, dtype=torch.long, device=dev)
+            # f_anc covers the tree slots; the committed ones before them are visible to every row
             out, cum, ids, best = self.expand(f_tok[None], f_hidden[None], pos, f_score,
-                                              cache_start=base + n_slots, t=f, mask=mask)
+                                              cache_start=base + n_slots, t=f, mask=f_anc)
             n_slots += f
             toks.append(ids.flatten()); scs.append(cum.flatten()); deps.append(torch.full((f * k,), d, device=dev))
             pars.append(front.repeat_interleave(k))

@@ -15,22 +15,28 @@ from .tree import Tree
 
 
 def greedy_accept(tree: Tree, argmax: torch.Tensor) -> tuple[list[int], int, list[int]]:
-    """Greedy verification as tensor operations: (accepted node indices, root first; bonus token;
-    the new tokens, i.e. the accepted nodes' tokens after the root, then the bonus).
+    """Greedy verification: (accepted node indices, root first; bonus token; the new tokens, i.e. the
+    accepted nodes' tokens after the root, then the bonus).
 
     A node is accepted when its token equals the target's argmax at its parent, and so are all its
     ancestors'. Siblings carry distinct tokens, so the accepted nodes form one path; its deepest node
-    gives the bonus token. One host read per round, here at the end."""
-    anc = tree.ancestor_mask()
-    ok = tree.tokens == argmax[tree.parents.clamp(min=0)]
-    ok[0] = True
-    accepted = ~(anc & ~ok[None, :]).any(1)
-    best = torch.where(accepted, tree.depths, -1).argmax()
-    path = anc[best].nonzero().flatten()  # ascending = root first, since parents precede children
-    out = torch.cat([argmax[best].reshape(1), path, tree.tokens[path[1:]]]).tolist()
-    n = (len(out) - 1 + 1) // 2  # path has n nodes, tokens n - 1
-    path, bonus = out[1:1 + n], out[0]
-    return path, bonus, out[1 + n:] + [bonus]
+    gives the bonus token. One host read per round (the argmax); the walk is on the tree's host lists,
+    parents before children, since a few dozen list steps cost less than tensor operations here."""
+    tokens, parents, depths = tree.host_lists()
+    best = argmax[:len(tokens)].tolist()
+    ok, deepest = [True] * len(tokens), 0
+    for i in range(1, len(tokens)):
+        par = parents[i]
+        ok[i] = ok[par] and tokens[i] == best[par]
+        if ok[i] and depths[i] > depths[deepest]:
+            deepest = i
+    path, node = [], deepest
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    path.reverse()
+    bonus = best[deepest]
+    return path, bonus, [tokens[i] for i in path[1:]] + [bonus]
 
 
 def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams,
@@ -38,7 +44,7 @@ def verify(tree: Tree, logits: torch.Tensor, params: SamplingParams,
     """logits: (N, V), the target's output at every tree node. Returns the accepted node indices
     (root first) and the next token after the last of them (the bonus token)."""
     kids = tree.children()
-    tokens = tree.tokens.tolist()
+    tokens = tree.host_lists()[0]
     path, node = [0], 0
     if params.greedy:
         best = logits.argmax(-1).tolist()

@@ -16,8 +16,8 @@ from eaglespec.loading import load_target
 from eaglespec.model import KVCache
 from eaglespec.sampling import SamplingParams, target_probs
 from eaglespec.testing import FAMILIES, exact_continuations, random_prompts  # noqa: F401 - test_ngram, test_eagle3 import them from here
-from eaglespec.tree import Drafter, Tree, TreeConfig
-from eaglespec.verify import verify
+from eaglespec.tree import Drafter, HostCandidates, Tree, TreeConfig, ancestor_mask, top_by_score, tree_from_host
+from eaglespec.verify import greedy_accept, verify
 
 KINDS = ("dynamic", "static", "chain")
 NEW = 32
@@ -199,6 +199,39 @@ def fixed_tree(vocab: int = 8) -> tuple[Tree, torch.Tensor]:
     for p in parents[1:]:
         depths.append(depths[p] + 1)
     return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths)), logits
+
+
+def test_host_built_trees_and_greedy_acceptance_match_their_references():
+    """tree_from_host's ancestor mask equals the vectorised closure, and greedy_accept (a walk on host lists)
+    equals the reference walk over logits (verify's greedy branch), on random candidate sets and targets."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        c = int(torch.randint(1, 40, (), generator=g))
+        parents, depths = [], []
+        for i in range(c):  # each candidate under the root or an earlier candidate; a few tokens, many clashes
+            p = int(torch.randint(-1, i, (), generator=g)) if i else -1
+            parents.append(p)
+            depths.append(1 if p < 0 else depths[p] + 1)
+        toks = torch.randint(0, 6, (c,), generator=g).tolist()
+        # siblings must carry distinct tokens (the drafter's top-k and attach_chain guarantee it)
+        seen = set()
+        for i in range(c):
+            while (parents[i], toks[i]) in seen:
+                toks[i] += 6
+            seen.add((parents[i], toks[i]))
+        scores = sorted(torch.rand(c, generator=g).tolist(), reverse=True)  # parents first: non-increasing
+        host = HostCandidates(toks, parents, depths, [-x for x in sorted(scores)])
+        keep = top_by_score(host.scores, int(torch.randint(1, c + 1, (), generator=g)))
+        tree = tree_from_host(int(torch.randint(0, 6, (), generator=g)), host, keep, "cpu")
+        assert torch.equal(tree.ancestor_mask(), ancestor_mask(tree.parents))
+        logits = torch.randn(len(tree), 256, generator=g)
+        for i, (t, p) in enumerate(zip(tree.host_lists()[0], tree.host_lists()[1])):
+            if p >= 0 and torch.rand((), generator=g) < 0.6:  # accept often: make the parent's argmax this token
+                logits[p, t] = 10.0 + logits[p].max()
+        path, bonus, new = greedy_accept(tree, logits.argmax(-1))
+        ref_path, ref_bonus = verify(tree, logits, SamplingParams(0.0), None)
+        assert (path, bonus) == (ref_path, ref_bonus), trial
+        assert new == [tree.host_lists()[0][i] for i in path[1:]] + [bonus]
 
 
 @pytest.mark.parametrize("name", SAMPLING)

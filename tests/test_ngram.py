@@ -11,7 +11,7 @@ import torch
 from eaglespec.engine import Engine
 from eaglespec.head import random_head
 from eaglespec.ngram import NgramProposer, attach_chain
-from eaglespec.tree import Candidates, TreeConfig, top_by_score
+from eaglespec.tree import Candidates, HostCandidates, TreeConfig, top_by_score, tree_from_host
 from test_lossless import SAMPLING, chi_square_pvalue, exact_continuations, random_prompts
 
 
@@ -42,29 +42,35 @@ def test_chain_acceptance_is_calibrated_per_depth():
 
 
 def cands(tokens, parents, depths, scores):
-    return Candidates(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(scores))
+    """The head's candidates as the round reads them: tensors, then one read to host lists."""
+    return HostCandidates.read(Candidates(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
+                                          torch.tensor(scores)))
 
 
 def test_the_chain_reuses_the_heads_nodes_and_keeps_any_prefix_connected():
     # the head drafted 10, 11 under the root and 12 under 10
     c = cands([10, 11, 12], [-1, -1, 0], [1, 1, 2], [-0.5, -1.0, -2.0])
+    assert c.tokens == [10, 11, 12] and c.parents == [-1, -1, 0] and c.depths == [1, 1, 2]
+    assert c.scores == [torch.tensor(x).item() for x in (-0.5, -1.0, -2.0)]  # float32 values, exactly
     rates = [None, 0.9, 0.5, 0.25]
-    out, nodes, alone, host = attach_chain(c, [10, 13, 14], rates)
+    out, nodes, alone = attach_chain(c, [10, 13, 14], rates)
     assert nodes == [0, 3, 4] and alone == [False, True, True]  # 10 is the head's node 0; 13, 14 are new
-    assert out.tokens.tolist() == [10, 11, 12, 13, 14]
-    assert out.parents.tolist() == [-1, -1, 0, 0, 3]
-    assert out.depths.tolist() == [1, 1, 2, 2, 3]
-    assert host[0] == pytest.approx(out.scores.tolist()) and host[1] == out.depths.tolist()  # the policy's host copy
+    assert out.tokens == [10, 11, 12, 13, 14]
+    assert out.parents == [-1, -1, 0, 0, 3]
+    assert out.depths == [1, 1, 2, 2, 3]
+    assert len(c) == 3  # the head's own candidates are left as they were
     # the head's node keeps its score; new nodes: the parent's score + log(rate at their depth)
-    assert out.scores.tolist() == pytest.approx([-0.5, -1.0, -2.0, -0.5 + math.log(0.5),
-                                                 -0.5 + math.log(0.5) + math.log(0.25)])
-    out2, nodes2, alone2, _ = attach_chain(c, [13, 10], rates)   # a chain the head did not start
-    assert nodes2 == [3, 4] and alone2 == [True, True] and out2.parents.tolist()[3:] == [-1, 3]
+    assert out.scores == pytest.approx([-0.5, -1.0, -2.0, -0.5 + math.log(0.5),
+                                        -0.5 + math.log(0.5) + math.log(0.25)])
+    out2, nodes2, alone2 = attach_chain(c, [13, 10], rates)   # a chain the head did not start
+    assert nodes2 == [3, 4] and alone2 == [True, True] and out2.parents[3:] == [-1, 3]
     for o in (out, out2):
-        par = o.parents.tolist()
         for n in range(1, len(o) + 1):  # every prefix of the stable score order is a connected tree
-            keep = set(top_by_score(o, n).tolist())
-            assert all(par[i] < 0 or par[i] in keep for i in keep)
+            keep = top_by_score(o.scores, n)
+            assert keep == sorted(keep) and all(o.parents[i] < 0 or o.parents[i] in keep for i in keep)
+            tree = tree_from_host(7, o, keep, "cpu")  # and builds a tree whose parents precede children
+            assert tree.host_lists()[0] == [7] + [o.tokens[i] for i in keep]
+            assert all(p < i for i, p in enumerate(tree.host_lists()[1]))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ O=docs/bench/issue10/v9
 # offline: held-out, first answers' first 128 tokens, MT-bench answers written at T = 0 and at T = 1
 bash $O/first-turn-pilot/eval.sh $H v9 | tee $O/eval-v9-texts.txt
 cp runs/s24/first/ev/*-v9.json $O/
+# a quiet cost table first (the benchmarks' tree policy reads it from the cache), kept with the results
+.venv/bin/eaglespec calibrate --reps 31 --json > $O/calibrate.json
 HEADS="v8=heads/smollm2-135m-instruct-v8,v9=$H"
 for T in 0 1; do
   .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 --temperature $T \

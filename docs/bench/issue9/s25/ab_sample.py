@@ -2,6 +2,11 @@
 vocabulary (the previous draw), plain decoding and EAGLE at T = 1, interleaved question by question.
 
     PAUSE=PID python docs/bench/issue9/s25/ab_sample.py [QUESTIONS] [REPS]
+
+The two-level draw was not kept (no measured win; docs/performance.md, twenty-fifth session), so
+sampling.sample no longer reads BLOCK: to rerun this, put back the draw this script measured (a branch on
+`probs.numel() >= 8 * BLOCK` in sample(): the blocks' float64 sums, searchsorted over their cumsum, then one
+block's cumsum), with BLOCK a module global.
 """
 import json, os, signal, sys, time
 import eaglespec.sampling as S

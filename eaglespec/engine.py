@@ -558,7 +558,7 @@ class Engine:
                 path, bonus, new = greedy_accept(tree, amax)
             else:
                 path, bonus = verify(tree, lg, params, gen)
-                tokens = tree.tokens.tolist()
+                tokens = tree.host_lists()[0]  # already on the host: the tree was built from lists
                 new = [tokens[i] for i in path[1:]] + [bonus]
             accepted = len(path)
             if path != list(range(accepted)):  # else every accepted node is in its slot already: no call

@@ -23,7 +23,9 @@ per small block of rows. This kernel packs each weight once into column panels (
   registers exactly as gguf-py does, and summed as the fp32 kernel sums, so every result is bit for bit
   the fp32 kernel's. On the default model: plain decoding 2.4x, EAGLE 2.9x the fp32 panels' plain
   decoding (interleaved, compiled, identical outputs; `scripts/gguf-gemm-ab.py`). EAGLESPEC_CPU_QUANT=0
-  keeps fp32 panels.
+  keeps fp32 panels. On AVX2 (`quant_mm8`, 8-column panels) a linear keeps both: the blocks for up to
+  EAGLESPEC_CPU_QUANT_ROWS rows (default 3), the fp32 panels above, where dequantizing costs more
+  arithmetic than the bytes it saves (a 42-GFLOP/s AVX2-only CPU; `scripts/avx2-blocks-ab.py`).
 - The default where the CPU has AVX-512 VNNI (`quant_mm_i8`): those blocks times activations rounded to
   int8 blocks of 32, as llama.cpp computes: 1.4x faster plain decoding and 2.3x cheaper 16-row
   verification than the exact blocks, every row's result its own (so EAGLE still equals plain decoding
@@ -476,6 +478,113 @@ at::Tensor quant_mm(const at::Tensor& x_in, const at::Tensor& wq, int64_t N, int
   return y.view(sizes);
 }
 
+// ---- AVX2: the same GGUF blocks on 8-column panels --------------------------------------------------
+// Why: on a CPU without AVX-512 the kernels above do not run, and fp32 panels stream 513 MiB a token for
+// the default model where its blocks are 106 MiB. Measured on a 2-core AVX2-only EPYC (17.6 GB/s, 42
+// GFLOP/s; all 121 linears of the default model, interleaved, ms): 1 / 2 / 3 / 4 / 8 / 16 rows on fp32
+// panels 38.5 / 42.1 / 49.6 / 47.7 / 60.6 / 119.3, on blocks 28.9 / 34.5 / 44.1 / 49.2 / 72.3 / 151.1.
+// Dequantizing costs arithmetic that such a CPU is short of, so blocks pay only for a few rows: the
+// linear keeps both and takes the blocks up to `max_rows` rows (EAGLESPEC_CPU_QUANT_ROWS), the fp32
+// panels above. Both give the fp32 weights' bits (the same products, summed over k in the same order as
+// micro / micro2 sum them), so which one ran never shows in a result.
+// Panel layout, per 8 outputs and block of 32 k (QB bytes, contiguous): d[8] fp32, m[8] fp32 (Q4_1
+// only), then Q4_1: 16 k-pairs of 8 bytes (byte i: q[k][i] | q[k + 1][i] << 4); Q8_0: 32 k of 8 int8.
+constexpr int64_t Q4B8 = 32 + 32 + 128, Q8B8 = 32 + 256;
+
+// gguf-py rounds d * q, then the sum with m. GCC may contract _mm256_add_ps(_mm256_mul_ps(..), ..) into one
+// FMA (its default -ffp-contract=fast), which rounds once. With d an fp16 value and q < 16 the product is
+// exact, so both give the same bits (a test that dropped this barrier still passed); the empty asm keeps
+// the two roundings anyway, so that the bits do not rest on that argument.
+static inline __m256 rounded(__m256 v) { asm("" : "+x"(v)); return v; }
+
+static inline void q4_pair8(const uint8_t* q8, __m256 d, __m256 m, __m256& w0, __m256& w1) {
+  const __m128i lo4 = _mm_set1_epi8(0x0F);
+  __m128i v = _mm_loadl_epi64((const __m128i*)q8);
+  __m128i q0 = _mm_and_si128(v, lo4), q1 = _mm_and_si128(_mm_srli_epi16(v, 4), lo4);
+  w0 = _mm256_add_ps(rounded(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q0)))), m);
+  w1 = _mm256_add_ps(rounded(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q1)))), m);
+}
+
+static inline __m256 q8_one8(const uint8_t* q8, __m256 d) {
+  __m128i v = _mm_loadl_epi64((const __m128i*)q8);
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+}
+
+// y[MR, 8] = x[MR, K] @ one block panel, as micro<MR> computes it over the fp32 panel (FMA_ROWS, k in order).
+template <int MR, bool Q4>
+void microq8(const float* __restrict x, int64_t ldx, const uint8_t* __restrict w, int64_t K,
+             float* __restrict y, int64_t ldy, int ncols) {
+  constexpr int64_t QB = Q4 ? Q4B8 : Q8B8;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = w + b * QB;
+    for (int64_t l = 0; l < QB; l += 64) _mm_prefetch((const char*)(blk + 4 * QB + l), _MM_HINT_T0);
+    const __m256 d = _mm256_loadu_ps((const float*)blk);
+    if constexpr (Q4) {
+      const __m256 m = _mm256_loadu_ps((const float*)(blk + 32));
+      for (int64_t i = 0; i < 16; ++i) {
+        __m256 w0, w1;
+        q4_pair8(blk + 64 + 8 * i, d, m, w0, w1);
+        const int64_t k = b * 32 + 2 * i;
+        FMA_ROWS(a, w0, k)
+        FMA_ROWS(a, w1, k + 1)
+      }
+    } else {
+      for (int64_t i = 0; i < 32; ++i) {
+        __m256 w0 = q8_one8(blk + 32 + 8 * i, d);
+        const int64_t k = b * 32 + i;
+        FMA_ROWS(a, w0, k)
+      }
+    }
+  }
+  __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+  if (ncols == NR) {
+    for (int mm = 0; mm < MR; ++mm) _mm256_storeu_ps(y + mm * ldy, acc[mm]);
+  } else {
+    alignas(32) float tmp[NR];
+    for (int mm = 0; mm < MR; ++mm) {
+      _mm256_store_ps(tmp, acc[mm]);
+      for (int j = 0; j < ncols; ++j) y[mm * ldy + j] = tmp[j];
+    }
+  }
+}
+
+#define MICROQ8_TABLE(Q4) {nullptr, microq8<1, Q4>, microq8<2, Q4>, microq8<3, Q4>, microq8<4, Q4>, microq8<5, Q4>, \
+    microq8<6, Q4>, microq8<7, Q4>, microq8<8, Q4>}
+const MicroQ kernelsq4_8[9] = MICROQ8_TABLE(true);
+const MicroQ kernelsq8_8[9] = MICROQ8_TABLE(false);
+
+// x [..., K] fp32 @ a weight kept twice: as blocks on 8-column panels ([P, K / 32, QB] bytes) and as fp32
+// panels (packed_pack's, width 8). Up to max_rows rows (at most 8) read the blocks, more the fp32 panels.
+at::Tensor quant_mm8(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& panels, int64_t N,
+                     int64_t kind, int64_t max_rows) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && wq.scalar_type() == at::kByte && wq.dim() == 3,
+              "quant_mm8: fp32 input and a packed uint8 weight");
+  TORCH_CHECK(kind == 4 || kind == 8, "quant_mm8: kind is 4 (Q4_1) or 8 (Q8_0)");
+  TORCH_CHECK(max_rows >= 0 && max_rows <= NR, "quant_mm8: max_rows is 0-8");
+  const int64_t QB = kind == 4 ? Q4B8 : Q8B8, P = wq.size(0), K = wq.size(1) * 32;
+  TORCH_CHECK(wq.size(2) == QB && P * NR >= N && P * NR < N + NR, "quant_mm8: weight is not packed for ", N, " outputs");
+  TORCH_CHECK(x_in.size(-1) == K, "quant_mm8: input has ", x_in.size(-1), " features, weight ", K);
+  auto x = x_in.reshape({-1, K}).contiguous();
+  int64_t M = x.size(0);
+  if (M > max_rows) return packed_mm(x_in, panels, N);
+  auto wc = wq.contiguous();
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(sizes);
+  const MicroQ fn = (kind == 4 ? kernelsq4_8 : kernelsq8_8)[M];
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* w = wc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  int64_t grain = std::max<int64_t>(1, 16384 / (K / 32 * QB));  // ~16 KiB of blocks a chunk, as quant_mm
+  at::parallel_for(0, P, grain, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      fn(xp, K, w + p * (K / 32) * QB, K, yp + p * NR, N, (int)std::min<int64_t>(NR, N - p * NR));
+  });
+  return y.view(sizes);
+}
+
 // ---- AVX-512 VNNI: GGUF blocks times activations quantized to int8 blocks (llama.cpp's way) ---------
 // Why: the exact kernel above dequantizes every weight to fp32 (4 instructions per 16 weights) and then
 // spends one FMA per weight and row, so it is bound by instructions: 6 ms a token where the 106 MiB
@@ -876,12 +985,14 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("packed_mm(Tensor x, Tensor packed, int n) -> Tensor");
   m.def("small_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("quant_mm(Tensor x, Tensor packed, int n, int kind) -> Tensor");
+  m.def("quant_mm8(Tensor x, Tensor packed, Tensor panels, int n, int kind, int max_rows) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("packed_pack", pack);
   m.impl("packed_mm", packed_mm);
   m.impl("small_attention", small_attention);
   m.impl("quant_mm", quant_mm);
+  m.impl("quant_mm8", quant_mm8);
 }
 """
 
@@ -951,6 +1062,10 @@ def _load() -> str | None:
     def _(x, packed, n, kind):
         return x.new_empty((*x.shape[:-1], n))
 
+    @torch.library.register_fake("eaglespec::quant_mm8")
+    def _(x, packed, panels, n, kind, max_rows):
+        return x.new_empty((*x.shape[:-1], n))
+
     return None
 
 
@@ -979,15 +1094,25 @@ def quant_mode() -> str:
     mode = os.environ.get("EAGLESPEC_CPU_QUANT", "int8")
     if mode not in _QUANT_MODES:
         raise ValueError(f"EAGLESPEC_CPU_QUANT must be one of {', '.join(_QUANT_MODES)}, not {mode!r}")
-    if mode == "int8" and not bool(torch.ops.eaglespec.cpu_has_vnni()):
-        return "1"
+    if mode == "int8" and (panel_width() != 16 or not bool(torch.ops.eaglespec.cpu_has_vnni())):
+        return "1"  # the int8 kernel is AVX-512 VNNI only
     return mode
 
 
 def quant_enabled() -> bool:
-    """Whether linears whose weights are exact GGUF blocks run on the quantized kernel: on the AVX-512
-    kernel's machines, unless EAGLESPEC_CPU_QUANT=0 (for A/B timing)."""
-    return why_unavailable() is None and panel_width() == 16 and quant_mode() != "0"
+    """Whether linears whose weights are exact GGUF blocks run on the quantized kernels: wherever the
+    packed kernel runs (AVX-512: quant_mm; AVX2: quant_mm8, for a few rows), unless EAGLESPEC_CPU_QUANT=0
+    (for A/B timing)."""
+    return why_unavailable() is None and quant_mode() != "0"
+
+
+def block_rows() -> int:
+    """On 8-column panels (AVX2), the most rows that read a linear's blocks; more read its fp32 panels
+    (see quant_mm8's comment for the measurements behind the default, 3). EAGLESPEC_CPU_QUANT_ROWS=0-8."""
+    raw = os.environ.get("EAGLESPEC_CPU_QUANT_ROWS", "3")
+    if not raw.isdigit() or int(raw) > 8:
+        raise ValueError(f"EAGLESPEC_CPU_QUANT_ROWS must be a whole number from 0 to 8, not {raw!r}")
+    return int(raw)
 
 
 def _fp16_neighbours(x: torch.Tensor, spread: int = 2):
@@ -1084,16 +1209,23 @@ def draft_blocks_enabled() -> bool:
     return quant_enabled() and os.environ.get("EAGLESPEC_DRAFT_Q8", "1") != "0"
 
 
-def _panels(t: torch.Tensor, n_pad: int) -> torch.Tensor:
-    """[N, ...] -> [P, 16, ...], zero rows past N."""
+def _panels(t: torch.Tensor, n_pad: int, width: int = 16) -> torch.Tensor:
+    """[N, ...] -> [P, width, ...], zero rows past N."""
     if n_pad:
         t = torch.cat([t, t.new_zeros((n_pad, *t.shape[1:]))])
-    return t.reshape(-1, 16, *t.shape[1:])
+    return t.reshape(-1, width, *t.shape[1:])
 
 
-def quant_pack(w: torch.Tensor, int8: bool = False):
+# bytes a block of 32 k takes in an 8-column panel (quant_mm8's layout): d, m (Q4_1) and the quants
+_Q4B8, _Q8B8 = 32 + 32 + 128, 32 + 256
+
+
+def quant_pack(w: torch.Tensor, int8: bool = False, width: int = 16):
     """(kind, packed uint8 [P, K / 32, bytes per block]) for quant_mm if `w` is exactly Q4_1 or Q8_0 blocks,
-    else None. Layout: see the comments above quant_mm's kernel and (`int8`) above quant_mm_i8's."""
+    else None. Layout: see the comments above quant_mm's kernel and (`int8`) above quant_mm_i8's; with
+    `width` 8, above quant_mm8's (AVX2; exact blocks only)."""
+    if width == 8:
+        return _quant_pack8(w)
     n, k = w.shape
     pad = (-n) % 16
     blocks = q4_1_blocks(w)
@@ -1121,8 +1253,46 @@ def quant_pack(w: torch.Tensor, int8: bool = False):
     return None
 
 
+def _quant_pack8(w: torch.Tensor):
+    """quant_pack for 8-column panels: per block d[8], m[8] (Q4_1) fp32, then Q4_1 k-pairs of 8 bytes
+    (byte i: q[k][i] | q[k + 1][i] << 4) or Q8_0's 32 k of 8 int8."""
+    n, k = w.shape
+    pad = (-n) % 8
+    blocks = q4_1_blocks(w)
+    if blocks is not None:
+        d, m, q = blocks
+        dp = _panels(d, pad, 8).permute(0, 2, 1).contiguous()  # [P, B, 8]
+        mp = _panels(m, pad, 8).permute(0, 2, 1).contiguous()
+        qp = _panels(q.reshape(n, k // 32, 16, 2), pad, 8).permute(0, 2, 3, 1, 4)  # [P, B, pair, lane, 2]
+        qb = (qp[..., 0] | (qp[..., 1] << 4)).reshape(dp.shape[0], k // 32, 128)
+        return Q4_1, torch.cat([dp.view(torch.uint8), mp.view(torch.uint8), qb], -1).contiguous()
+    blocks = q8_0_blocks(w)
+    if blocks is not None:
+        d, q = blocks
+        dp = _panels(d, pad, 8).permute(0, 2, 1).contiguous()
+        qp = _panels(q.reshape(n, k // 32, 32), pad, 8).permute(0, 2, 3, 1).reshape(dp.shape[0], k // 32, 256)
+        return Q8_0, torch.cat([dp.view(torch.uint8), qp.contiguous().view(torch.uint8)], -1).contiguous()
+    return None
+
+
+def _quant_unpack8(kind: int, packed: torch.Tensor, n: int) -> torch.Tensor:
+    p, b, _ = packed.shape
+    d = packed[..., :32].contiguous().view(torch.float32)  # [P, B, 8]
+    if kind == Q4_1:
+        m = packed[..., 32:64].contiguous().view(torch.float32)
+        qb = packed[..., 64:].reshape(p, b, 16, 8)
+        q = torch.stack([qb & 15, qb >> 4], -1).permute(0, 3, 1, 2, 4).reshape(p * 8, b, 32).float()  # [N, B, 32]
+        w = d.permute(0, 2, 1).reshape(p * 8, b, 1) * q + m.permute(0, 2, 1).reshape(p * 8, b, 1)
+    else:
+        q = packed[..., 32:].contiguous().view(torch.int8).reshape(p, b, 32, 8).permute(0, 3, 1, 2)
+        w = q.reshape(p * 8, b, 32).float() * d.permute(0, 2, 1).reshape(p * 8, b, 1)
+    return w.reshape(p * 8, b * 32)[:n]
+
+
 def quant_unpack(kind: int, packed: torch.Tensor, n: int) -> torch.Tensor:
     """The fp32 (N, K) weight of quant_pack's output, exactly."""
+    if kind in (Q4_1, Q8_0) and packed.shape[2] == (_Q4B8 if kind == Q4_1 else _Q8B8):
+        return _quant_unpack8(kind, packed, n)
     p, b, _ = packed.shape
     d = packed[..., :64].contiguous().view(torch.float32)  # [P, B, 16]
     if kind in (Q4_1_I8, Q8_0_I8):
@@ -1152,9 +1322,12 @@ def quant_unpack(kind: int, packed: torch.Tensor, n: int) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """nn.Linear's forward over a once-packed weight (inference only; the weight is a buffer). Given
     several linears of the same input, it computes them as one, their outputs concatenated. A weight
-    made exactly of GGUF Q4_1 / Q8_0 blocks is packed as those blocks (`kind` 4 / 8; 0: fp32 panels)."""
+    made exactly of GGUF Q4_1 / Q8_0 blocks is packed as those blocks (`kind` 4 / 8; 0: fp32 panels). On
+    8-column panels (AVX2) such a weight is kept as fp32 panels too (`panels`), for more than `block_rows`
+    rows, where the blocks' dequantizing costs more than the fp32 bytes (quant_mm8)."""
 
-    def __init__(self, *linears: nn.Linear, quant: bool | None = None, round_q8: bool = False):
+    def __init__(self, *linears: nn.Linear, quant: bool | None = None, round_q8: bool = False,
+                 width: int | None = None):
         super().__init__()
         self.in_features = linears[0].weight.shape[1]
         self.out_features = sum(lin.weight.shape[0] for lin in linears)
@@ -1162,9 +1335,14 @@ class PackedLinear(nn.Module):
             w = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else linears[0].weight.detach()
             if round_q8 and self.in_features % 32 == 0:  # a draft head's weights: an approximation is fine there
                 w = q8_0_round(w)
-            qp = quant_pack(w, int8=quant_mode() == "int8") if (quant_enabled() if quant is None else quant) else None
+            width = width or panel_width()
+            use = quant_enabled() if quant is None else quant
+            qp = quant_pack(w, int8=width == 16 and quant_mode() == "int8", width=width) if use else None
             self.kind = 0 if qp is None else qp[0]
-            self.register_buffer("packed", torch.ops.eaglespec.packed_pack(w, panel_width()) if qp is None else qp[1])
+            panels = torch.ops.eaglespec.packed_pack(w, width) if qp is None or width == 8 else None
+            self.register_buffer("packed", panels if qp is None else qp[1])
+            self.register_buffer("panels", panels if qp is not None else None)
+            self.block_rows = block_rows()
             bias = None
             if any(lin.bias is not None for lin in linears):
                 bias = torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.weight.shape[0])
@@ -1181,7 +1359,9 @@ class PackedLinear(nn.Module):
         return p.permute(0, 2, 1).reshape(-1, p.shape[1])[: self.out_features]
 
     def forward(self, x):
-        if self.kind:
+        if self.kind and self.panels is not None:
+            y = torch.ops.eaglespec.quant_mm8(x, self.packed, self.panels, self.out_features, self.kind, self.block_rows)
+        elif self.kind:
             y = torch.ops.eaglespec.quant_mm(x, self.packed, self.out_features, self.kind)
         else:
             y = torch.ops.eaglespec.packed_mm(x, self.packed, self.out_features)
@@ -1306,7 +1486,8 @@ def onto_huge_pages(slots: list[tuple[nn.Module, str]]) -> bool:
 
 
 def packed_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    return [(m, "packed") for m in module.modules() if isinstance(m, PackedLinear)]
+    return [(m, name) for m in module.modules() if isinstance(m, PackedLinear)
+            for name in ("packed", "panels") if getattr(m, name) is not None]
 
 
 def attention_available() -> bool:

@@ -344,12 +344,64 @@ def test_weights_that_are_not_exact_blocks_stay_fp32(mode, monkeypatch):
     assert cpugemm.PackedLinear(lin).kind == 0
 
 
-@needs_quant
-def test_an_engine_on_gguf_blocks_decodes_as_on_fp32_weights(make_oracle_pair, monkeypatch):
-    """A target whose weights are Q4_1 blocks (and a Q8_0 LM head) runs its linears as blocks; plain
+@pytest.mark.parametrize("kind,make", [(cpugemm.Q4_1, gguf_q4_1), (cpugemm.Q8_0, gguf_q8_0)])
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 64), (49, 576), (960, 576), (24, 1536)])
+def test_gguf_blocks_on_8_column_panels_give_the_fp32_panels_bits(kind, make, n, k):
+    """AVX2 (runs on any machine with the packed kernel): blocks on 8-column panels, packed at 6 / 9 bits
+    a weight beside the fp32 panels, unpacked exactly; every row count, whichever of the two it reads
+    (`block_rows` 0, 3, 8), gives the fp32 panels' bits, with and without bias, ragged last panel."""
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k) * 0.05
+    w[0, :32] = w[0, 0]  # a constant block (Q4_1: d = 0)
+    w[1, -32:] = 0.0  # an all-zero block (Q8_0: d = 0)
+    w = make(w)
+    got = cpugemm.quant_pack(w, width=8)
+    assert got is not None and got[0] == kind
+    assert torch.equal(cpugemm.quant_unpack(kind, got[1], n), w)
+    assert got[1].numel() * 8 == -(-n // 8) * 8 * k * (9 if kind == cpugemm.Q8_0 else 6)  # bits a weight
+    for bias in (False, True):
+        lin = torch.nn.Linear(k, n, bias=bias)
+        lin.weight.data = w
+        blocks, fp32 = cpugemm.PackedLinear(lin, quant=True, width=8), cpugemm.PackedLinear(lin, quant=False, width=8)
+        assert blocks.kind == kind and fp32.kind == 0 and fp32.panels is None
+        assert torch.equal(blocks.weight, w) and torch.equal(blocks.panels, fp32.packed)
+        for rows in (0, 3, 8):
+            blocks.block_rows = rows
+            for m in (0, 1, 2, 3, 4, 5, 8, 9, 16, 25):
+                x = torch.randn(2, m, k)
+                assert torch.equal(blocks(x), fp32(x)), (rows, m, bias)
+
+
+def test_8_column_blocks_compile_to_the_same_numbers_and_refuse_bad_input():
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(64, 40, bias=True)
+    lin.weight.data = gguf_q4_1(lin.weight.data)
+    blocks = cpugemm.PackedLinear(lin, quant=True, width=8)
+    fn = torch.compile(blocks, backend="inductor", fullgraph=True)
+    for m in (2, 5):  # one graph over the blocks' and the panels' row counts
+        x = torch.randn(1, m, 64)
+        assert torch.equal(fn(x), blocks(x))
+    with pytest.raises(RuntimeError, match="max_rows is 0-8"):
+        torch.ops.eaglespec.quant_mm8(torch.randn(2, 64), blocks.packed, blocks.panels, 40, 4, 9)
+    with pytest.raises(RuntimeError, match="input has 32 features"):
+        torch.ops.eaglespec.quant_mm8(torch.randn(2, 32), blocks.packed, blocks.panels, 40, 4, 3)
+
+
+@pytest.mark.parametrize("raw", ["9", "-1", "x"])
+def test_a_bad_block_rows_setting_is_one_clear_error(raw, monkeypatch):
+    monkeypatch.setenv("EAGLESPEC_CPU_QUANT_ROWS", raw)
+    with pytest.raises(ValueError, match="EAGLESPEC_CPU_QUANT_ROWS must be a whole number from 0 to 8"):
+        cpugemm.block_rows()
+
+
+@pytest.mark.parametrize("width", sorted({8, cpugemm.panel_width()}) if cpugemm.why_unavailable() is None else [8])
+def test_an_engine_on_gguf_blocks_decodes_as_on_fp32_weights(make_oracle_pair, monkeypatch, width):
+    """A target whose weights are Q4_1 blocks (and a Q8_0 LM head) runs its linears as blocks (on
+    16-column panels with AVX-512, on 8-column ones with AVX2, forced here where both run); plain
     decoding and EAGLE give exactly the tokens of the same target on fp32 panels. The calibration key
     tells the two apart, so neither sizes trees with the other's costs."""
     from eaglespec import costmodel
+    monkeypatch.setitem(cpugemm._STATE, "width", width)
     pairs = []
     for quant in ("1", "0"):
         monkeypatch.setenv("EAGLESPEC_CPU_QUANT", quant)

@@ -8,7 +8,8 @@ set -euo pipefail
 H=${H:-runs/v9/head-v9/head}
 O=docs/bench/issue10/v9
 [ -f $H/config.json ] || { echo "no finished v9 head at $H: run docs/bench/issue10/v9/v9.sh first" >&2; exit 1; }
-# offline: held-out, first answers' first 128 tokens, MT-bench answers written at T = 0 and at T = 1
+# the texts a fresh checkout lacks (kept under the ignored runs/), then offline: held-out, first answers' first 128 tokens, MT-bench answers written at T = 0 and at T = 1
+bash $O/texts.sh
 bash $O/first-turn-pilot/eval.sh $H v9 | tee $O/eval-v9-texts.txt
 cp runs/s24/first/ev/*-v9.json $O/
 # a quiet cost table first (the benchmarks' tree policy reads it from the cache), kept with the results

@@ -1,6 +1,6 @@
 #!/bin/bash
 # evaluate head H (name N) on: held-out (standard 40), first-turn first-128 held-out, MT-bench T0 and T1 text
-cd /work/main
+cd "$(dirname "$0")/../../../../.."
 H=$1; N=$2; D=runs/s24/first/ev
 mkdir -p $D
 .venv/bin/eaglespec evaluate --head $H --data corpora/smollm2-135m-instruct/regen --max-len 1024 --eval-conversations 40 --json $D/heldout-$N.json 2>&1 | grep "^held-out"

@@ -1216,85 +1216,42 @@ def _panels(t: torch.Tensor, n_pad: int, width: int = 16) -> torch.Tensor:
     return t.reshape(-1, width, *t.shape[1:])
 
 
-# bytes a block of 32 k takes in an 8-column panel (quant_mm8's layout): d, m (Q4_1) and the quants
-_Q4B8, _Q8B8 = 32 + 32 + 128, 32 + 256
-
 
 def quant_pack(w: torch.Tensor, int8: bool = False, width: int = 16):
     """(kind, packed uint8 [P, K / 32, bytes per block]) for quant_mm if `w` is exactly Q4_1 or Q8_0 blocks,
-    else None. Layout: see the comments above quant_mm's kernel and (`int8`) above quant_mm_i8's; with
-    `width` 8, above quant_mm8's (AVX2; exact blocks only)."""
-    if width == 8:
-        return _quant_pack8(w)
+    else None. Layout: see the comments above quant_mm's kernel and (`int8`, width 16 only) above
+    quant_mm_i8's; with `width` 8 (AVX2), the same exact layout on 8-column panels (quant_mm8's comment)."""
+    assert width in (8, 16) and not (int8 and width == 8), "int8 blocks are laid out for 16-column panels"
     n, k = w.shape
-    pad = (-n) % 16
+    pad = (-n) % width
     blocks = q4_1_blocks(w)
     if blocks is not None:
         d, m, q = blocks
-        dp = _panels(d, pad).permute(0, 2, 1).contiguous()  # [P, B, 16]
-        mp = _panels(m, pad).permute(0, 2, 1).contiguous()
+        dp = _panels(d, pad, width).permute(0, 2, 1).contiguous()  # [P, B, width]
+        mp = _panels(m, pad, width).permute(0, 2, 1).contiguous()
         if int8:  # byte 4j + t of vector v: q[4v + t][j] | q[16 + 4v + t][j] << 4
             qp = _panels(q.reshape(n, k // 32, 2, 4, 4), pad).permute(0, 2, 3, 4, 1, 5)  # [P, B, half, v, lane, t]
             qb = (qp[:, :, 0] | (qp[:, :, 1] << 4)).reshape(dp.shape[0], k // 32, 256)
             return Q4_1_I8, torch.cat([dp.half().view(torch.uint8), mp.half().view(torch.uint8), qb], -1).contiguous()
-        qp = _panels(q.reshape(n, k // 32, 16, 2), pad).permute(0, 2, 3, 1, 4)  # [P, B, pair, lane, 2]
-        qb = (qp[..., 0] | (qp[..., 1] << 4)).reshape(dp.shape[0], k // 32, 256)
+        qp = _panels(q.reshape(n, k // 32, 16, 2), pad, width).permute(0, 2, 3, 1, 4)  # [P, B, pair, lane, 2]
+        qb = (qp[..., 0] | (qp[..., 1] << 4)).reshape(dp.shape[0], k // 32, 16 * width)
         return Q4_1, torch.cat([dp.view(torch.uint8), mp.view(torch.uint8), qb], -1).contiguous()
     blocks = q8_0_blocks(w)
     if blocks is not None:
         d, q = blocks
-        dp = _panels(d, pad).permute(0, 2, 1).contiguous()
+        dp = _panels(d, pad, width).permute(0, 2, 1).contiguous()
         if int8:  # byte 4j + t of vector g: q[4g + t][j] + 128
             qp = _panels(q.reshape(n, k // 32, 8, 4), pad).permute(0, 2, 3, 1, 4)  # [P, B, g, lane, t]
             qb = (qp.to(torch.int16) + 128).to(torch.uint8).reshape(dp.shape[0], k // 32, 512)
             return Q8_0_I8, torch.cat([dp.view(torch.uint8), qb], -1).contiguous()
-        qp = _panels(q.reshape(n, k // 32, 32), pad).permute(0, 2, 3, 1).reshape(dp.shape[0], k // 32, 512)
+        qp = _panels(q.reshape(n, k // 32, 32), pad, width).permute(0, 2, 3, 1).reshape(dp.shape[0], k // 32, 32 * width)
         return Q8_0, torch.cat([dp.view(torch.uint8), qp.contiguous().view(torch.uint8)], -1).contiguous()
     return None
-
-
-def _quant_pack8(w: torch.Tensor):
-    """quant_pack for 8-column panels: per block d[8], m[8] (Q4_1) fp32, then Q4_1 k-pairs of 8 bytes
-    (byte i: q[k][i] | q[k + 1][i] << 4) or Q8_0's 32 k of 8 int8."""
-    n, k = w.shape
-    pad = (-n) % 8
-    blocks = q4_1_blocks(w)
-    if blocks is not None:
-        d, m, q = blocks
-        dp = _panels(d, pad, 8).permute(0, 2, 1).contiguous()  # [P, B, 8]
-        mp = _panels(m, pad, 8).permute(0, 2, 1).contiguous()
-        qp = _panels(q.reshape(n, k // 32, 16, 2), pad, 8).permute(0, 2, 3, 1, 4)  # [P, B, pair, lane, 2]
-        qb = (qp[..., 0] | (qp[..., 1] << 4)).reshape(dp.shape[0], k // 32, 128)
-        return Q4_1, torch.cat([dp.view(torch.uint8), mp.view(torch.uint8), qb], -1).contiguous()
-    blocks = q8_0_blocks(w)
-    if blocks is not None:
-        d, q = blocks
-        dp = _panels(d, pad, 8).permute(0, 2, 1).contiguous()
-        qp = _panels(q.reshape(n, k // 32, 32), pad, 8).permute(0, 2, 3, 1).reshape(dp.shape[0], k // 32, 256)
-        return Q8_0, torch.cat([dp.view(torch.uint8), qp.contiguous().view(torch.uint8)], -1).contiguous()
-    return None
-
-
-def _quant_unpack8(kind: int, packed: torch.Tensor, n: int) -> torch.Tensor:
-    p, b, _ = packed.shape
-    d = packed[..., :32].contiguous().view(torch.float32)  # [P, B, 8]
-    if kind == Q4_1:
-        m = packed[..., 32:64].contiguous().view(torch.float32)
-        qb = packed[..., 64:].reshape(p, b, 16, 8)
-        q = torch.stack([qb & 15, qb >> 4], -1).permute(0, 3, 1, 2, 4).reshape(p * 8, b, 32).float()  # [N, B, 32]
-        w = d.permute(0, 2, 1).reshape(p * 8, b, 1) * q + m.permute(0, 2, 1).reshape(p * 8, b, 1)
-    else:
-        q = packed[..., 32:].contiguous().view(torch.int8).reshape(p, b, 32, 8).permute(0, 3, 1, 2)
-        w = q.reshape(p * 8, b, 32).float() * d.permute(0, 2, 1).reshape(p * 8, b, 1)
-    return w.reshape(p * 8, b * 32)[:n]
 
 
 def quant_unpack(kind: int, packed: torch.Tensor, n: int) -> torch.Tensor:
     """The fp32 (N, K) weight of quant_pack's output, exactly."""
-    if kind in (Q4_1, Q8_0) and packed.shape[2] == (_Q4B8 if kind == Q4_1 else _Q8B8):
-        return _quant_unpack8(kind, packed, n)
     p, b, _ = packed.shape
-    d = packed[..., :64].contiguous().view(torch.float32)  # [P, B, 16]
     if kind in (Q4_1_I8, Q8_0_I8):
         if kind == Q4_1_I8:  # fp16 scales
             d = packed[..., :32].contiguous().view(torch.float16).float()
@@ -1304,19 +1261,23 @@ def quant_unpack(kind: int, packed: torch.Tensor, n: int) -> torch.Tensor:
             q = q.permute(0, 4, 1, 2, 3, 5).reshape(p * 16, b, 32).float()
             w = d.permute(0, 2, 1).reshape(p * 16, b, 1) * q + m.permute(0, 2, 1).reshape(p * 16, b, 1)
         else:
+            d = packed[..., :64].contiguous().view(torch.float32)  # [P, B, 16]
             qb = packed[..., 64:].reshape(p, b, 8, 16, 4).to(torch.int16) - 128  # [P, B, g, lane, t]
             q = qb.permute(0, 3, 1, 2, 4).reshape(p * 16, b, 32).float()
             w = q * d.permute(0, 2, 1).reshape(p * 16, b, 1)
         return w.reshape(p * 16, b * 32)[:n]
+    # exact blocks: width fp32 d (and m), then the quants; the block's size tells the panel width
+    width = packed.shape[2] // (24 if kind == Q4_1 else 36)  # 24 / 36 bytes a column: Q4_1 / Q8_0
+    d = packed[..., :4 * width].contiguous().view(torch.float32)  # [P, B, width]
     if kind == Q4_1:
-        m = packed[..., 64:128].contiguous().view(torch.float32)
-        qb = packed[..., 128:].reshape(p, b, 16, 16)
-        q = torch.stack([qb & 15, qb >> 4], -1).permute(0, 3, 1, 2, 4).reshape(p * 16, b, 32).float()  # [N, B, 32]
-        w = d.permute(0, 2, 1).reshape(p * 16, b, 1) * q + m.permute(0, 2, 1).reshape(p * 16, b, 1)
+        m = packed[..., 4 * width:8 * width].contiguous().view(torch.float32)
+        qb = packed[..., 8 * width:].reshape(p, b, 16, width)
+        q = torch.stack([qb & 15, qb >> 4], -1).permute(0, 3, 1, 2, 4).reshape(p * width, b, 32).float()  # [N, B, 32]
+        w = d.permute(0, 2, 1).reshape(p * width, b, 1) * q + m.permute(0, 2, 1).reshape(p * width, b, 1)
     else:
-        q = packed[..., 64:].contiguous().view(torch.int8).reshape(p, b, 32, 16).permute(0, 3, 1, 2)
-        w = q.reshape(p * 16, b, 32).float() * d.permute(0, 2, 1).reshape(p * 16, b, 1)
-    return w.reshape(p * 16, b * 32)[:n]
+        q = packed[..., 4 * width:].contiguous().view(torch.int8).reshape(p, b, 32, width).permute(0, 3, 1, 2)
+        w = q.reshape(p * width, b, 32).float() * d.permute(0, 2, 1).reshape(p * width, b, 1)
+    return w.reshape(p * width, b * 32)[:n]
 
 
 class PackedLinear(nn.Module):

@@ -17,10 +17,13 @@ mkdir -p runs/v9
 DATA=runs/v9/regen-all.jsonl.gz
 [ -f $DATA ] || for f in $STORE/shard-*.jsonl.gz; do cat $f; done > $DATA
 if [ ! -d $OUT/checkpoint ] && [ -d $KEPT/checkpoint ]; then mkdir -p $OUT && cp -r $KEPT/. $OUT/; fi
+# bf16 autocast only where the CPU multiplies bf16 in hardware: elsewhere torch falls back to a scalar bf16 GEMM
+# (seen on an AVX2-only EPYC: 200-400 s a step instead of ~5), and fp32 (~24 s a step there) is the faster choice.
+AUTOCAST=$(grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo off)
 RESUME=$([ -d $OUT/checkpoint ] && echo --resume || true)
 .venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct-v8 --draft-vocab 8192 --out $OUT \
   --epochs 1 --batch-tokens 4096 --lr 2e-4 --warmup-steps 20 --save-every 50 --eval-conversations 40 \
-  --autocast bf16 $RESUME
+  --autocast $AUTOCAST $RESUME
 # the standard held-out yardstick (the same 23,167 positions as every head since v3)
 .venv/bin/eaglespec evaluate --head $OUT/head --data $STORE --max-len 1024 --eval-conversations 40 \
   --json docs/bench/issue10/v9/eval-v9.json

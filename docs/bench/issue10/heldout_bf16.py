@@ -1,7 +1,7 @@
 """Held-out top-1 of the shipped head (v5) on features computed in fp32 and under CPU bf16 autocast.
 
 Run from the repository root: .venv/bin/python docs/bench/issue10/heldout_bf16.py OUT.json (about 11 min on 2 cores).
-The fp32 arm is `eaglespec evaluate --head heads/smollm2-135m-instruct --data corpora/smollm2-135m-instruct/regen
+The fp32 arm is `eaglespec evaluate --head heads/smollm2-135m-instruct-v6 --data corpora/smollm2-135m-instruct/regen
 --max-len 1024 --eval-conversations 40`; the other computes the same conversations' features under autocast."""
 import contextlib, json, sys, time, torch
 from eaglespec.features import load_examples, target_features, autocast_for
@@ -15,7 +15,7 @@ tok = load_tokenizer(folder)
 ex, _ = load_examples(tok, "corpora/smollm2-135m-instruct/regen", None, 1024, log=lambda *a: None)
 _, held = split([e.key for e in ex], 0, 0.05)
 rows = held[:40]
-head = load_head("heads/smollm2-135m-instruct", target.args).eval()
+head = load_head("heads/smollm2-135m-instruct-v6", target.args).eval()
 vocab = (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
 class Bf16Source(InLoopSource):
     def batch(self, idx):

@@ -1,6 +1,6 @@
 """Held-out top-1 (depth 1 and depth 3) of the shipped line of EAGLE-1 heads against the regenerated conversations
 behind each, on the fixed 40 held-out conversations (23,167 positions), as docs/training.md reports them; v9's point
-is read from its evaluation (docs/bench/issue10/v9/eval-v9.json) when that exists. Writes learning-curve.png here.
+is read from its evaluation (docs/bench/issue10/v9/texts-s27/heldout-v9.json, written by after.sh). Writes learning-curve.png here.
 
     python docs/bench/issue10/learning_curve.py
 """
@@ -15,11 +15,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).parent
 # (regenerated conversations, top-1, depth-3 top-1, head): docs/training.md, "v4" to "v8"
 POINTS = [(0, 0.507, 0.365, "ShareGPT only"), (809, 0.596, 0.455, "v3"), (1333, 0.612, 0.483, "v4"), (1877, 0.644, 0.510, "v5"),
-          (4011, 0.668, 0.533, "v6 (shipped)"), (5157, 0.666, 0.534, "v7 (slices)"), (5993, 0.688, 0.556, "v8 (one pass)")]
-v9 = HERE / "v9" / "eval-v9.json"
+          (4011, 0.668, 0.533, "v6"), (5157, 0.666, 0.534, "v7 (slices)"), (5993, 0.688, 0.556, "v8 (one pass)")]
+v9 = HERE / "v9" / "texts-s27" / "heldout-v9.json"
 if v9.is_file():
     e = json.loads(v9.read_text())
-    POINTS.append((9283, e["top1"], e["top1_depth3"], "v9 (one more pass)"))
+    POINTS.append((9436, e["top1"], e["top1_depth3"], "v9 (shipped)"))
 
 fig, ax = plt.subplots(figsize=(7, 4.2))
 xs = [p[0] for p in POINTS]

@@ -6,7 +6,7 @@ set -e
 cd "$(dirname "$0")/../../.."
 for rep in 1 2; do for mode in off bf16; do
   rm -rf runs/ts-$mode-$rep
-  .venv/bin/eaglespec train --features-dir runs/fstore --init-head heads/smollm2-135m-instruct --out runs/ts-$mode-$rep \
+  .venv/bin/eaglespec train --features-dir runs/fstore --init-head heads/smollm2-135m-instruct-v6 --out runs/ts-$mode-$rep \
     --epochs 1 --max-steps 14 --batch-tokens 4096 --lr 2e-4 --warmup-steps 2 --eval-conversations 2 --autocast $mode > runs/ts-$mode-$rep.log 2>&1
 done; done
 .venv/bin/python - <<'P'

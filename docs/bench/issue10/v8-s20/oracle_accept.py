@@ -19,7 +19,7 @@ from eaglespec.train import expected_acceptance, shift_inputs
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("data", nargs="+")
-    ap.add_argument("--head", default="heads/smollm2-135m-instruct")
+    ap.add_argument("--head", default="heads/smollm2-135m-instruct-v6")
     ap.add_argument("--max-conversations", type=int, default=None)
     a = ap.parse_args()
     target, tokenizer, _ = load_model(argparse.Namespace(model=None, gguf_file=None, device=None, dtype=None))

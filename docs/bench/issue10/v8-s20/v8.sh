@@ -15,7 +15,7 @@ DATA=runs/s20/regen-0-227.jsonl.gz
 KEPT=checkpoints/head-v8-s20
 if [ ! -d $OUT/checkpoint ] && [ -d $KEPT/checkpoint ]; then mkdir -p $OUT && cp -r $KEPT/. $OUT/; fi
 RESUME=$([ -d $OUT/checkpoint ] && echo --resume || true)
-.venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct --out $OUT \
+.venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct-v6 --out $OUT \
   --epochs 1 --batch-tokens 4096 --lr 2e-4 --warmup-steps 20 --save-every 50 --eval-conversations 40 \
   --autocast bf16 $RESUME
 # the standard held-out yardstick (the same 23,167 positions as every head since v3)

@@ -11,7 +11,7 @@ O=docs/bench/issue10/v9
 # the texts a fresh checkout lacks (kept under the ignored runs/), then offline: held-out, first answers' first 128 tokens, MT-bench answers written at T = 0 and at T = 1
 bash $O/texts.sh
 # v6 and v8 rescored on the same texts (a rebuilt MT-bench text differs from an earlier one by ~1 % of its tokens)
-for hv in heads/smollm2-135m-instruct:v6 heads/smollm2-135m-instruct-v8:v8; do
+for hv in heads/smollm2-135m-instruct-v6:v6 heads/smollm2-135m-instruct-v8:v8; do
   [ -f runs/s24/first/ev/mtT1-${hv#*:}.json ] || bash $O/first-turn-pilot/eval.sh ${hv%:*} ${hv#*:} | tee $O/eval-${hv#*:}-texts.txt
 done
 bash $O/first-turn-pilot/eval.sh $H v9 | tee $O/eval-v9-texts.txt
@@ -21,9 +21,10 @@ mkdir -p $O/texts-s27 && cp runs/s24/first/ev/*-v[689].json $O/texts-s27/
 # v8 is left out of the live runs by default (its own are in docs/training.md, "v8"; HEADS=... adds it back): a run of
 # three methods over 80 questions is ~8 min here. The issue's "20 questions at T = 1" are the first 20 of the T = 1
 # run (`summary.py` reads them from its records), not a run of their own.
+# "eagle" is v6 (named, since v9 has been the default head since 2026-12-06), "eagle@v9" is v9.
 HEADS=${HEADS:-"v9=$H"}
 for T in 0 1; do
   .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 --temperature $T \
-    --heads $HEADS --json $O/mt80-T$T.json --report $O/mt80-T$T
+    --head heads/smollm2-135m-instruct-v6 --heads $HEADS --json $O/mt80-T$T.json --report $O/mt80-T$T
 done
 .venv/bin/python $O/summary.py $O/mt80-T0.json $O/mt80-T1.json | tee $O/summary.txt

@@ -19,7 +19,7 @@ for ids in enc:
     counts += torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=49152)
 print("answers", len(texts), "tokens", int(counts.sum()), f"{time.time()-t0:.0f}s")
 torch.save(counts, "runs/s23/regen-answer-counts.pt")
-f = safe_open('heads/smollm2-135m-instruct/model.safetensors', 'pt'); t2d = f.get_tensor('t2d')
+f = safe_open('heads/smollm2-135m-instruct-v6/model.safetensors', 'pt'); t2d = f.get_tensor('t2d')
 order = counts.argsort(descending=True)
 sets = {"shipped 8192": t2d}
 for n in (8192, 12288, 16384, 24576):

@@ -4,7 +4,7 @@ import json, os, shutil, torch
 from safetensors.torch import load_file, save_file
 counts = torch.load("runs/s23/regen-answer-counts.pt")
 order = counts.argsort(descending=True)
-for src, tag in (("heads/smollm2-135m-instruct", "v6"), ("heads/smollm2-135m-instruct-v8", "v8")):
+for src, tag in (("heads/smollm2-135m-instruct-v6", "v6"), ("heads/smollm2-135m-instruct-v8", "v8")):
     sd = load_file(f"{src}/model.safetensors")
     cfg = json.load(open(f"{src}/config.json"))
     for n in (8192, 16384, 24576):

@@ -68,18 +68,22 @@ def register_method(name: str):
     return add
 
 
-def engine_method(method: str, tree_kind: str | None = None):
-    """A factory for one of our engine's methods, optionally with another tree shape."""
+def engine_method(method: str, tree_kind: str | None = None, draft_sampling: bool | None = None):
+    """A factory for one of our engine's methods, optionally with another tree shape or, at T > 0, the other
+    way of drafting (sampled from the head, or its top-k: Engine.draft_sampling)."""
     def factory(engine, model):
         tree = replace(engine.tree, kind=tree_kind) if tree_kind else engine.tree
 
         def run(input_ids, max_new_tokens, temperature, seed):
             base, engine.tree = engine.tree, tree
+            base_sampling = engine.draft_sampling
+            if draft_sampling is not None:
+                engine.draft_sampling = draft_sampling
             try:
                 return engine.generate(input_ids=input_ids, method=method, max_new_tokens=max_new_tokens,
                                        temperature=temperature, seed=seed)
             finally:
-                engine.tree = base
+                engine.tree, engine.draft_sampling = base, base_sampling
         depth = None
         if method == "eagle":
             depth = tree.depth if tree.kind == "dynamic" else max(len(p) for p in tree.static_paths())
@@ -91,6 +95,9 @@ register_method("vanilla")(engine_method("vanilla"))
 register_method("eagle")(engine_method("eagle"))
 for _kind in ("dynamic", "static", "chain"):
     register_method(f"eagle-{_kind}")(engine_method("eagle", _kind))
+# the two ways of drafting at T > 0, side by side in one run (at T = 0 both are the top-k)
+register_method("eagle-sampled")(engine_method("eagle", draft_sampling=True))
+register_method("eagle-topk")(engine_method("eagle", draft_sampling=False))
 
 
 @register_method("hf")
@@ -691,6 +698,7 @@ def head_engines(engine, heads: dict[str, str], progress: bool) -> dict[str, obj
             # compile) instead of compiling them again. Generations run one at a time, so one cache serves.
             e._target_call, e._move = engine._target_call, engine._move
         e.head_source = path
+        e.draft_sampling = engine.draft_sampling
         if e.compiled:
             from .cli import compile_progress
             e.warmup(progress=compile_progress(quiet=not progress))
@@ -725,7 +733,8 @@ def share_cost_tables(engines) -> dict[int, object]:
                 t = dataclasses.replace(t, verify_ms=dict(verify_ms))
             tables[key] = t
         if e._cost_table is not tables[key]:
-            e._cost_table, e.policy = tables[key], None  # the policy is rebuilt from it at its first round
+            e._cost_table = tables[key]
+            e.forget_policies()  # they are rebuilt from it at their first round
         used[id(e)] = tables[key]
     return used
 

@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser, head: bool = True) -> None:
                    help="dynamic tree: also offer, each round, up to N tokens that followed the latest earlier "
                         "occurrence of the context's last 2-4 tokens (prompt lookup); 0 = the head's drafts only "
                         "(default: 4)")
+    t.add_argument("--drafts", default="sampled", choices=["sampled", "top-k"],
+                   help="at temperature > 0: draw each node's children from the head's distribution (accepted "
+                        "more often where the target is unsure) or take its top-k; both are lossless, and greedy "
+                        "decoding always takes the top-k")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -114,6 +118,7 @@ def build_engine(args, head: bool = True, warm: bool = True):
     engine = Engine.load(args.model, getattr(args, "head", None) if head else "random", device=args.device,
                          dtype=dtype, tree=tree_config(args), max_context=args.max_context,
                          compile=resolve_compile(args))
+    engine.draft_sampling = getattr(args, "drafts", "sampled") == "sampled"
     if engine.compiled and warm:
         engine.warmup(progress=compile_progress())  # on stderr: never mixes with JSON on stdout
     return engine

@@ -321,3 +321,49 @@ class SpecSwitch:
             self.plain_ms, self.plain_measured = ms, True
         else:
             self.plain_ms += self.ema * (ms - self.plain_ms)
+
+
+class RankAcceptance:
+    """What a sampled draft's nodes are worth, for trees whose shape must not look at the drafted tokens.
+
+    With sampled drafts (T > 0; `verify.verify_sampled`), a node's children are a sample without replacement
+    from the head's distribution, tried in order. Lossless needs the tree's shape to be chosen without looking
+    at those samples: keeping a node because its own token looks likely (as `TreePolicy` does with the
+    drafts' scores) would bias the output. So a node is scored by its position alone, learned online:
+    a(d, r) = P(the r-th child tried at depth d is accepted | its parent was, and its elder siblings were
+    not), counted over the rounds so far with a prior, and a node's score is log of the chance that the
+    accepted path runs through it: the sum over its path of log(a(d, r) * prod_{j<r} (1 - a(d, j)))."""
+
+    PRIOR_FIRST, PRIOR_LATER, PRIOR_WEIGHT = 0.4, 0.2, 20.0
+    HALF_LIFE = 2000.0   # the counts are halved past this many trials a cell: the estimate follows a drift
+
+    def __init__(self, max_depth: int, k: int):
+        self.k = k
+        prior = [self.PRIOR_FIRST] + [self.PRIOR_LATER] * (k - 1)
+        self.hits = [[p * self.PRIOR_WEIGHT for p in prior] for _ in range(max_depth + 1)]
+        self.tries = [[self.PRIOR_WEIGHT] * k for _ in range(max_depth + 1)]
+
+    def accept(self, depth: int, rank: int) -> float:
+        return min(0.99, max(0.01, self.hits[depth][rank] / self.tries[depth][rank]))
+
+    def log_scores(self, depth: int) -> list[float]:
+        """log P(the path runs through the rank-r child | it reaches the parent), r = 0..k-1, made
+        strictly decreasing in r so that the kept children of any node are always its first ones."""
+        out, left, prev = [], 1.0, float("inf")
+        for r in range(self.k):
+            a = self.accept(depth, r)
+            s = math.log(max(a * left, 1e-9))
+            s = min(s, prev - 1e-6)
+            out.append(s)
+            prev, left = s, left * (1.0 - a)
+        return out
+
+    def observe(self, trials: list[tuple[int, int, bool]]) -> None:
+        """trials: (depth, rank, accepted) of every child the verification tried, in order."""
+        for d, r, ok in trials:
+            if d < len(self.tries) and r < self.k:
+                self.tries[d][r] += 1.0
+                self.hits[d][r] += float(ok)
+                if self.tries[d][r] > self.HALF_LIFE:
+                    self.tries[d][r] *= 0.5
+                    self.hits[d][r] *= 0.5

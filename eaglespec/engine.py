@@ -22,10 +22,10 @@ from .model import Transformer
 from .ngram import NgramProposer, attach_chain
 from .sampling import SamplingParams, next_token
 from .compiled import StaticCall, compile_fn, configure_inductor, default_mode
-from .costmodel import AUTO_BUCKETS, SpecSwitch, TreePolicy
+from .costmodel import AUTO_BUCKETS, RankAcceptance, SpecSwitch, TreePolicy
 from .stopping import Stopper, stream_delta
 from .tree import Drafter, HostCandidates, Tree, TreeConfig, top_by_score, tree_from_host
-from .verify import greedy_accept, verify
+from .verify import greedy_accept, verify, verify_sampled
 
 METHODS = ("eagle", "vanilla")
 REPO_HEADS = Path(__file__).resolve().parent.parent / "heads"
@@ -190,6 +190,15 @@ class _Rows(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.weight)
 
 
+@dataclass
+class _Sampled:
+    """A generation's sampled drafts (T > 0, `Engine.draft_sampling`): the generation's generator, the
+    temperature the head's distribution is drawn at (the target's), and the position scores."""
+    gen: torch.Generator
+    inv_t: float
+    ranks: RankAcceptance
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, head: EagleHead | None = None,
                  tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False,
@@ -245,6 +254,13 @@ class Engine:
         self._move = compile_fn(self._move_fn, mode, packed) if mode is not None else self._move_fn
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None
+        # At T > 0: draw the drafts from the head's distribution (verify_sampled) instead of taking its top-k
+        # (verify). Both are lossless; sampled drafts are accepted more often where the target is unsure
+        # (docs/performance.md, "Sampled drafts"). Greedy decoding always takes the top-k.
+        self.draft_sampling = True
+        self._sampled_policy: TreePolicy | None = None  # sampled drafts' tree sizes: other scores, other calibration
+        self._ranks: RankAcceptance | None = None
+        self._top_inputs: dict = {}
         self._switch: SpecSwitch | None = None
         self._ngram: NgramProposer | None = None
 
@@ -329,29 +345,41 @@ class Engine:
         _, logits, hidden = self.model(tokens, positions, aux_layers=aux, **kw)
         return hidden, logits
 
-    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _draft_logprobs(self, hidden: torch.Tensor, inv_t: torch.Tensor | float = 1.0) -> torch.Tensor:
         logits = self.head.draft_logits(hidden) if self._draft_lm is None else self._draft_lm(hidden)
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits.float() * inv_t, dim=-1)
+
+    @staticmethod
+    def _draw(lq: torch.Tensor, noise: torch.Tensor, mix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's k children and their scores. noise zeros, mix [1, 1, 0...]: the top-k and their
+        log-probabilities, bit for bit (adding 0 and multiplying by 1 change no value). noise Gumbel, mix
+        [0, 1/T, s_0..s_k-1]: a sample without replacement from the rows (the Gumbel-top-k trick), scored by
+        position alone (s_r: RankAcceptance), so that which nodes are kept never depends on what was drawn."""
+        ids = (lq + noise).topk(k, dim=-1).indices
+        return lq.gather(-1, ids) * mix[0] + mix[2:], ids
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self._draft_ids is None else self._draft_ids[ids]
 
-    def _catchup_fn(self, tokens, hidden, positions, last, *, slots, mask):
+    def _catchup_fn(self, tokens, hidden, positions, last, noise, mix, *, slots, mask):
         """The head on the tokens just accepted (padded to a fixed count), fused with depth 1: the
-        root's predicted hidden state and its top-k."""
+        root's predicted hidden state, its k children (_draw) and its log-probabilities."""
         out = self.head.first(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
         root = out.index_select(0, last)
-        scores, ids = self._draft_logprobs(root).topk(self.tree.draft_top_k, dim=-1)
-        return root[0], scores[0], self._to_target_ids(ids[0])
+        lq = self._draft_logprobs(root, mix[1])
+        scores, ids = self._draw(lq, noise, mix, self.tree.draft_top_k)
+        return root[0], scores[0], self._to_target_ids(ids[0]), lq[0]
 
-    def _expand_fn(self, tokens, hidden, positions, scores, *, slots, mask):
-        """One depth: the frontier through the head, each row's top-k, the k best children overall."""
+    def _expand_fn(self, tokens, hidden, positions, scores, noise, mix, *, slots, mask):
+        """One depth: the frontier through the head, each row's k children (_draw), the k best children
+        overall, and the rows' log-probabilities."""
         out = self.head.step(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
         k = self.tree.draft_top_k
-        lp, ids = self._draft_logprobs(out).topk(k, dim=-1)
+        lq = self._draft_logprobs(out, mix[1])
+        lp, ids = self._draw(lq, noise, mix, k)
         cum = lp + scores[:, None]
         best = cum.flatten().topk(k).indices
-        return out, cum, self._to_target_ids(ids), best
+        return out, cum, self._to_target_ids(ids), best, lq
 
     def _move_fn(self, src, dst):
         self.model.cache.move_slots(src, dst)
@@ -403,8 +431,9 @@ class Engine:
         """Accepted tokens per round, at most (the catch-up's fixed length)."""
         return self.tree.max_accept + 1
 
-    def _catchup(self, new: list[int], feats: torch.Tensor, path: torch.Tensor, cur: int):
-        """Feed the accepted (feature, next token) pairs to the head; return the root's hidden and top-k."""
+    def _catchup(self, new: list[int], feats: torch.Tensor, path: torch.Tensor, cur: int, inputs=None):
+        """Feed the accepted (feature, next token) pairs to the head; return the root's hidden, its k children's
+        scores and ids, and its log-probabilities. inputs: _draw_inputs's (default: the top-k)."""
         p, dev = self._pad, self.device
         n = len(new)
         toks = torch.zeros(1, p, dtype=torch.long, device=dev)
@@ -412,18 +441,50 @@ class Engine:
         hidden = feats.index_select(0, path)[None]
         pos = (cur + torch.arange(p, device=dev))[None]
         last = torch.tensor([n - 1], device=dev)
-        return self._catchup_call(toks, hidden, pos, last, cache_start=cur, t=p)
+        noise, mix = (inputs or self._draw_inputs(None))(1, 1)
+        return self._catchup_call(toks, hidden, pos, last, noise, mix, cache_start=cur, t=p)
 
-    def _head_prefill(self, ids: list[int], root: int, feats: torch.Tensor):
+    def _head_prefill(self, ids: list[int], root: int, feats: torch.Tensor, inputs):
         dev = self.device
         head_tokens = torch.tensor([ids[1:] + [root]], device=dev)
         h = self.head.first(self.model.embed_tokens(head_tokens), feats[None],
                             torch.arange(len(ids), device=dev)[None], cache_start=0)
         root_hidden = h[0, -1]
-        scores, idx = self._draft_logprobs(root_hidden[None]).topk(self.tree.draft_top_k, dim=-1)
-        return root_hidden, scores[0], self._to_target_ids(idx[0])
+        noise, mix = inputs(1, 1)
+        lq = self._draft_logprobs(root_hidden[None], mix[1])
+        scores, idx = self._draw(lq, noise, mix, self.tree.draft_top_k)
+        return root_hidden, scores[0], self._to_target_ids(idx[0]), lq[0]
 
-    def _choose_tree(self, root: int, cands, depth: int, chain: list[int]) -> Tree:
+    def _draft_vocab_size(self) -> int:
+        if self._draft_ids is not None:
+            return int(self._draft_ids.numel())
+        return self.model.args.vocab_size
+
+    def _draw_inputs(self, sampled: "_Sampled | None"):
+        """(depth, rows) -> (noise (rows, draft vocab), mix (k + 2,)) for the draft calls: the top-k (zeros, and
+        [1, 1, 0...], kept once per size), or, for sampled drafts, fresh Gumbel noise from the generation's
+        generator and the positions' scores of that depth (RankAcceptance)."""
+        k, dev = self.tree.draft_top_k, self.device
+        if sampled is None:
+            def top(depth: int, rows: int):
+                key = (rows, k)
+                if key not in self._top_inputs:
+                    mix = torch.zeros(k + 2, device=dev)
+                    mix[:2] = 1.0
+                    self._top_inputs[key] = (torch.zeros(rows, self._draft_vocab_size(), device=dev), mix)
+                return self._top_inputs[key]
+            return top
+
+        def draw(depth: int, rows: int):
+            # -log(-log(U)) beats -log(Exp(1)) here: torch.rand is 3x faster than exponential_ on CPU (0.10 against
+            # 0.33 ms for 2 x 8k)
+            u = torch.rand(rows, self._draft_vocab_size(), generator=sampled.gen, device=dev)
+            noise = -torch.log(-torch.log(u.clamp_(min=1e-20)))
+            mix = torch.tensor([0.0, sampled.inv_t] + sampled.ranks.log_scores(depth), device=dev)
+            return noise, mix
+        return draw
+
+    def _choose_tree(self, root: int, cands, depth: int, chain: list[int], policy: TreePolicy | None) -> Tree:
         """The verified tree: fixed for static trees and fixed sizes; the cost model's pick for auto.
         `chain`: the n-gram proposer's continuation, attached below the root beside the head's nodes."""
         host = HostCandidates.read(cands)  # the round's one read while drafting
@@ -433,8 +494,8 @@ class Engine:
         free = frozenset(i for i, a in zip(nodes, alone) if a)
         if cands.fixed is not None:
             keep = cands.fixed
-        elif self.policy is not None:
-            _, keep = self.policy.choose(host.scores, host.depths, depth, free)
+        elif policy is not None:
+            _, keep = policy.choose(host.scores, host.depths, depth, free)
             mine = [i for i in keep if i not in free]  # the policy calibrates the head's nodes only
             self._kept = ([host.scores[i] for i in mine], [host.depths[i] for i in mine])
         else:
@@ -442,15 +503,26 @@ class Engine:
         self._round = (list(keep), nodes, free)
         return tree_from_host(root, host, keep, self.device)
 
-    def _learn(self, path: list[int]) -> None:
+    def _sampled_rows(self, cands, tree: Tree) -> tuple[list[int], list[int]]:
+        """Sampled drafts: per tree node, the q_logp row it was drawn from and its rank among its siblings."""
+        keep, k = self._round[0], self.tree.draft_top_k
+        depths = tree.host_lists()[2]
+        rows, ranks = [0], [0]
+        for j, c in enumerate(keep, 1):
+            row, rank = cands.row_and_rank(c, depths[j], k)
+            rows.append(row)
+            ranks.append(rank)
+        return rows, ranks
+
+    def _learn(self, path: list[int], policy: TreePolicy | None) -> None:
         """After verification: calibrate the tree policy on the head's nodes and the n-gram proposer on
         the chain's own. path: the accepted tree nodes, root first (tree node j > 0 is candidate keep[j - 1])."""
         keep, nodes, free = self._round
         accepted = [keep[j - 1] for j in path[1:]]
-        if self.policy is not None:
+        if policy is not None:
             # the head's nodes on the path come first: a node the head drafted has a drafted parent
             own = next((k for k, c in enumerate(accepted) if c in free), len(accepted))
-            self.policy.observe(*self._kept, own)
+            policy.observe(*self._kept, own)
         if free:
             kept, hit = set(keep), set(accepted)
             seen, parent_ok = [], True
@@ -463,20 +535,40 @@ class Engine:
             self._ngram.observe([d for d, _ in seen], [ok for _, ok in seen])
 
     def reset_learning(self) -> None:
-        """Forget what the tree policy and the n-gram proposer learned (a replayable run starts fresh)."""
-        self.policy = None
+        """Forget what the tree policies, the position scores and the n-gram proposer learned (a replayable
+        run starts fresh)."""
+        self.forget_policies()
         self._switch = None
         self._ngram = None
+        self._ranks = None
 
-    def _get_policy(self) -> TreePolicy | None:
+    def forget_policies(self) -> None:
+        """Drop the tree policies (they are rebuilt, from the cost table, at their next round)."""
+        self.policy = None
+        self._sampled_policy = None
+
+    def _get_policy(self, sampled: bool = False) -> TreePolicy | None:
         if not (self.tree.auto and self.tree.kind == "dynamic"):
             return None
+        if self._cost_table is None:
+            from .costmodel import load_or_measure
+            self._cost_table = load_or_measure(self, (1,) + self.auto_buckets(), log=_notice)
+        if sampled:
+            if self._sampled_policy is None:
+                self._sampled_policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
+            return self._sampled_policy
         if self.policy is None:
-            if self._cost_table is None:
-                from .costmodel import load_or_measure
-                self._cost_table = load_or_measure(self, (1,) + self.auto_buckets(), log=_notice)
             self.policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
         return self.policy
+
+    def _get_sampled(self, params: SamplingParams, gen: torch.Generator) -> _Sampled | None:
+        """The generation's sampled-draft state, or None where it takes the top-k (greedy, or switched off)."""
+        if params.greedy or not self.draft_sampling:
+            return None
+        k, depth = self.tree.draft_top_k, self.tree.max_depth
+        if self._ranks is None or self._ranks.k != k or len(self._ranks.tries) != depth + 1:
+            self._ranks = RankAcceptance(depth, k)
+        return _Sampled(gen, 1.0 / params.temperature, self._ranks)
 
     def _get_switch(self) -> SpecSwitch | None:
         """The speculate-or-not switch, opt-in (EAGLESPEC_SPEC_SWITCH=1), with the auto tree only (a fixed
@@ -505,16 +597,19 @@ class Engine:
         if self.head is None:
             raise ValueError("method 'eagle' needs a draft head")
         dev = self.device
-        policy = self._get_policy()
+        sampled = self._get_sampled(params, gen)
+        inputs = self._draw_inputs(sampled)
+        policy = self._get_policy(sampled is not None)
         drafter = Drafter(self._expand_call, self.tree)
-        ngram = self._get_ngram()
+        # the n-gram chain's tokens are not drawn from the head: verify_sampled has no rule for them
+        ngram = self._get_ngram() if sampled is None else None
         feats, logits = self._prefill(ids, timers)
         root = next_token(logits, params, gen)
         yield [root]
         t0 = time.perf_counter()
         if ngram is not None:
             ngram.reset(ids + [root])
-        root_hidden, root_scores, root_ids = self._head_prefill(ids, root, feats)
+        root_hidden, root_scores, root_ids, root_q = self._head_prefill(ids, root, feats, inputs)
         cur = len(ids)
         timers.draft += time.perf_counter() - t0
         switch = self._get_switch()
@@ -539,17 +634,18 @@ class Engine:
             if pending:  # the head catches up on the plain rounds' tokens before it drafts again
                 start = cur - len(pending)
                 path_t = torch.tensor(list(range(len(pending))) + [0] * (self._pad - len(pending)), device=dev)
-                root_hidden, root_scores, root_ids = self._catchup(
-                    [tok for tok, _ in pending], torch.cat([f for _, f in pending]), path_t, start)
+                root_hidden, root_scores, root_ids, root_q = self._catchup(
+                    [tok for tok, _ in pending], torch.cat([f for _, f in pending]), path_t, start, inputs)
                 t0 = time.perf_counter()
                 switch.record(False, plain_secs + (t0 - now), len(pending))  # the stretch, its catch-up included
                 pending.clear()
                 plain_secs = 0.0
             t_round = t0
             depth = policy.depth() if policy is not None else self.tree.max_depth
-            cands = drafter.draft(root_hidden, root_scores, root_ids, cur, depth)
+            cands = drafter.draft(root_hidden, root_scores, root_ids, cur, depth, inputs,
+                                  root_q if sampled is not None else None)
             chain = ngram.propose() if ngram is not None else []
-            tree = self._choose_tree(root, cands, depth, chain)
+            tree = self._choose_tree(root, cands, depth, chain, policy)
             _sync(dev)
             t1 = time.perf_counter()
             n = len(tree)
@@ -557,7 +653,12 @@ class Engine:
             if params.greedy:
                 path, bonus, new = greedy_accept(tree, amax)
             else:
-                path, bonus = verify(tree, lg, params, gen)
+                if sampled is None:
+                    path, bonus = verify(tree, lg, params, gen)
+                else:
+                    path, bonus, trials = verify_sampled(tree, lg, params, gen, cands.q_logp,
+                                                         *self._sampled_rows(cands, tree), self._draft_ids)
+                    sampled.ranks.observe(trials)
                 tokens = tree.host_lists()[0]  # already on the host: the tree was built from lists
                 new = [tokens[i] for i in path[1:]] + [bonus]
             accepted = len(path)
@@ -568,7 +669,7 @@ class Engine:
                 dst[accepted:] += n
                 self._move(cur + src, cur + dst)
             t2 = time.perf_counter()
-            self._learn(path)
+            self._learn(path, policy)
             timers.draft += t1 - t0
             timers.verify += t2 - t1
             timers.forwards += 1
@@ -577,7 +678,7 @@ class Engine:
             yield new
             t0 = time.perf_counter()
             path_t = torch.tensor(path + [0] * (self._pad - accepted), device=dev)
-            root_hidden, root_scores, root_ids = self._catchup(new, f, path_t, cur)
+            root_hidden, root_scores, root_ids, root_q = self._catchup(new, f, path_t, cur, inputs)
             root, cur = bonus, cur + accepted
             if ngram is not None:
                 ngram.extend(new)
@@ -659,8 +760,9 @@ class Engine:
             f = frontier or self.tree.draft_top_k
             hidden = torch.zeros(1, f, h, device=dev, dtype=self.model.embed_tokens.weight.dtype)
             mask = torch.ones(f, context + f, dtype=torch.bool, device=dev)
+            noise, mix = self._draw_inputs(None)(2, f)
             self._expand_call(torch.zeros(1, f, dtype=torch.long, device=dev), hidden,
-                              torch.full((1, f), context, device=dev), torch.zeros(f, device=dev),
+                              torch.full((1, f), context, device=dev), torch.zeros(f, device=dev), noise, mix,
                               cache_start=context, t=f, mask=mask)[3].tolist()
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,

@@ -132,6 +132,7 @@ def replicate(engine: "Engine", n: int) -> list["Engine"]:
         e = Engine(share_weights(engine.model), copy.deepcopy(engine.tokenizer), head, engine.tree,
                    engine.max_context, **extra)
         e.head_source = getattr(engine, "head_source", None)
+        e.draft_sampling = getattr(engine, "draft_sampling", True)
         engines.append(e)
     return engines
 

@@ -125,11 +125,22 @@ class Candidates:
     tokens: torch.Tensor    # (C,) target token ids
     parents: torch.Tensor   # (C,) candidate index of the parent, -1 = the root
     depths: torch.Tensor    # (C,) 1 = child of the root
-    scores: torch.Tensor    # (C,) cumulative draft log-probability
+    scores: torch.Tensor    # (C,) cumulative draft log-probability (sampled drafts: of the node's position)
     fixed: list[int] | None = None  # static trees: the candidates to verify, whatever their scores
+    # sampled drafts only: the head's log-probabilities at every expanded node, (R, draft vocab), row 0 the
+    # root's; and per depth d (index d - 1), (first candidate of the depth, its first row of q_logp), the depth's
+    # candidates being k children per row in order
+    q_logp: torch.Tensor | None = None
+    layout: list[tuple[int, int]] | None = None
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    def row_and_rank(self, c: int, depth: int, k: int) -> tuple[int, int]:
+        """Sampled drafts: the q_logp row candidate c was drawn from (its parent's), and its place among
+        the siblings drawn there (0 = first)."""
+        first, row = self.layout[depth - 1]
+        return row + (c - first) // k, (c - first) % k
 
 
 @dataclass
@@ -202,9 +213,10 @@ class Drafter:
 
     The head cache holds one entry per committed target position (slots [0, base)); tree nodes are
     written after it, in feeding order, and are forgotten when the next round's catch-up writes
-    the accepted tokens there. `expand(tokens, hidden, positions, scores, cache_start=, t=, mask=)`
-    is the per-depth call (head layer, draft LM head, log-softmax, top-k; fixed shape per frontier
-    size) returning (hidden out (F, H), cumulative scores (F, k), token ids (F, k), best (k,)).
+    the accepted tokens there. `expand(tokens, hidden, positions, scores, noise, mix, cache_start=, t=,
+    mask=)` is the per-depth call (head layer, draft LM head, log-softmax, top-k; fixed shape per frontier
+    size) returning (hidden out (F, H), cumulative scores (F, k), token ids (F, k), best (k,), the rows'
+    log-probabilities (F, draft vocab)); `noise` and `mix` make its top-k a sample (engine._draw_inputs).
     """
 
     def __init__(self, expand, config: TreeConfig):
@@ -212,9 +224,12 @@ class Drafter:
         self._plan = None if config.kind == "dynamic" else _static_plan(config.static_paths(), config.draft_top_k)
 
     def draft(self, root_hidden: torch.Tensor, root_scores: torch.Tensor, root_ids: torch.Tensor,
-              base: int, depth: int) -> Candidates:
+              base: int, depth: int, inputs=None, root_q: torch.Tensor | None = None) -> Candidates:
         """root_hidden (H,): the head's output for the root; root_scores/root_ids (k,): its top-k.
-        base: the committed length (first tree slot in the head cache); depth: levels to draft."""
+        base: the committed length (first tree slot in the head cache); depth: levels to draft.
+        inputs(depth, rows) -> (noise, mix): the expand call's draw inputs (engine._draw_inputs).
+        root_q: sampled drafts only: the root's log-probabilities, which its children were drawn from; the
+        rows of every later depth are then kept too (Candidates.q_logp)."""
         k = self.config.draft_top_k
         dev = root_ids.device
         toks, pars, deps, scs = [root_ids], [torch.full((k,), -1, dtype=torch.long, device=dev)], \
@@ -232,14 +247,19 @@ class Drafter:
         # ancestry of the rows being fed, over the tree slots written so far (self included)
         n_slots = 0
         f_anc = None
+        q_rows, layout = ([root_q[None]], [(0, 0)]) if root_q is not None else (None, None)
         for d in range(2, depth + 1):
             f = front.numel()
             own = torch.eye(f, dtype=torch.bool, device=dev)
             f_anc = own if f_anc is None else torch.cat([f_anc, own], dim=1)
             pos = torch.full((1, f), base + d - 2, dtype=torch.long, device=dev)
+            noise, mix = inputs(d, f)
             # f_anc covers the tree slots; the committed ones before them are visible to every row
-            out, cum, ids, best = self.expand(f_tok[None], f_hidden[None], pos, f_score,
-                                              cache_start=base + n_slots, t=f, mask=f_anc)
+            out, cum, ids, best, lq = self.expand(f_tok[None], f_hidden[None], pos, f_score, noise, mix,
+                                                  cache_start=base + n_slots, t=f, mask=f_anc)
+            if q_rows is not None:
+                layout.append((n_cand, sum(r.shape[0] for r in q_rows)))
+                q_rows.append(lq)
             n_slots += f
             toks.append(ids.flatten()); scs.append(cum.flatten()); deps.append(torch.full((f * k,), d, device=dev))
             pars.append(front.repeat_interleave(k))
@@ -257,6 +277,8 @@ class Drafter:
             f_tok, f_score, f_hidden = toks[-1][front - first], scs[-1][front - first], out[rows]
             f_anc = f_anc[rows]
         cands = Candidates(torch.cat(toks), torch.cat(pars), torch.cat(deps), torch.cat(scs))
+        if q_rows is not None:
+            cands.q_logp, cands.layout = torch.cat(q_rows), layout
         if self._plan is not None:
             cands.fixed = [c for c in self._plan[1] if c < n_cand]
         return cands

@@ -17,7 +17,7 @@ from eaglespec.model import KVCache
 from eaglespec.sampling import SamplingParams, target_probs
 from eaglespec.testing import FAMILIES, exact_continuations, random_prompts  # noqa: F401 - test_ngram, test_eagle3 import them from here
 from eaglespec.tree import Drafter, HostCandidates, Tree, TreeConfig, ancestor_mask, top_by_score, tree_from_host
-from eaglespec.verify import greedy_accept, verify
+from eaglespec.verify import greedy_accept, verify, verify_sampled
 
 KINDS = ("dynamic", "static", "chain")
 NEW = 32
@@ -252,16 +252,19 @@ def test_verification_emits_the_target_distribution(name):
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
+@pytest.mark.parametrize("drafts", ["sampled", "top-k"])
 @pytest.mark.parametrize("name,draws,draft_vocab", [("t1", 2000, None), ("t0.7-p0.9-k5", 1000, None),
                                                     ("t1", 1000, [0, 2, 3, 5, 7])])
-def test_engine_sampling_follows_the_target(name, draws, draft_vocab, make_oracle_pair):
+def test_engine_sampling_follows_the_target(name, draws, draft_vocab, drafts, make_oracle_pair):
     """End to end: EAGLE's first three sampled tokens follow the target's exact joint distribution
-    (also when the head drafts from a reduced vocabulary)."""
+    (also when the head drafts from a reduced vocabulary), with drafts sampled from the head (verify_sampled)
+    and with its top-k (verify)."""
     params = SAMPLING[name]
     model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
     if draft_vocab is not None:
         head = with_draft_vocab(head, torch.tensor(draft_vocab))
     engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
+    engine.draft_sampling = drafts == "sampled"
     prompt = [1, 2, 3]
     expected = exact_continuations(model, prompt, 3, params)
     counts, accepted = Counter(), 0
@@ -272,3 +275,98 @@ def test_engine_sampling_follows_the_target(name, draws, draft_vocab, make_oracl
         accepted += r.accept_lengths[0] > 1
     assert accepted > draws // 4  # drafts do get accepted
     assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+# ---- sampled drafts (verify_sampled) -----------------------------------------------------------
+
+def _prefix_logits(prefix: tuple, vocab: int, salt: int, scale: float) -> torch.Tensor:
+    """A fixed, arbitrary distribution for every prefix (a stand-in for a model): seeded by the prefix."""
+    g = torch.Generator().manual_seed(hash((salt,) + prefix) % (2 ** 31))
+    return scale * torch.randn(vocab, generator=g)
+
+
+@pytest.mark.parametrize("name,draft_vocab", [("t1", None), ("t0.7-p0.9-k5", None), ("t1", [0, 2, 3, 5, 7])])
+def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab):
+    """verify_sampled, driven like the engine drives it: each round drafts a fixed-shape tree whose children are
+    drawn without replacement (Gumbel-top-k) from a *different* distribution q than the target's p, verifies it,
+    and continues from what was emitted; the first three tokens follow the target's exact joint distribution.
+    The tree's shape (3 children at the root, 2 under the first, 1 under the second, 1 below that) is fixed,
+    as the engine's is by position scores alone."""
+    params, vocab = SAMPLING[name], 8
+    ids = torch.tensor(draft_vocab) if draft_vocab is not None else None
+    dv = vocab if ids is None else len(ids)
+    shape = [-1, 0, 0, 0, 1, 1, 2, 4]   # parents; node 0 is the root
+    ranks = [0, 0, 1, 2, 0, 1, 0, 0]    # each child's place among its siblings
+    gen = torch.Generator().manual_seed(1)
+
+    def p_logits(prefix):
+        return _prefix_logits(prefix, vocab, 1, 1.5)
+
+    def q_logp(prefix):
+        return torch.log_softmax(_prefix_logits(prefix, dv, 2, 1.5), -1)
+
+    def round_(prefix):
+        """Draft a tree below `prefix` (its last token the root) and verify it: the emitted tokens."""
+        n = len(shape)
+        toks, rows, node_prefix, q_rows = [prefix[-1]] + [0] * (n - 1), [0] * n, [prefix] + [()] * (n - 1), []
+        for node in range(n):  # parents come before their children
+            kids = [c for c in range(1, n) if shape[c] == node]
+            if not kids:
+                continue
+            lq = q_logp(node_prefix[node])
+            noise = -torch.log(-torch.log(torch.rand(dv, generator=gen).clamp(min=1e-20)))
+            order = (lq + noise).topk(len(kids)).indices  # a sample without replacement, in drawing order
+            q_rows.append(lq)
+            for c in kids:
+                t = int(order[ranks[c]])
+                toks[c], rows[c] = (int(ids[t]) if ids is not None else t), len(q_rows) - 1
+                node_prefix[c] = node_prefix[node] + (toks[c],)
+        depths = [0]
+        for c in range(1, n):
+            depths.append(depths[shape[c]] + 1)
+        tree = Tree(torch.tensor(toks), torch.tensor(shape), torch.tensor(depths))
+        logits = torch.stack([p_logits(pr) for pr in node_prefix])
+        path, bonus, trials = verify_sampled(tree, logits, params, gen, torch.stack(q_rows), rows, ranks, ids)
+        # every tried child but the last of each node was rejected; an accepted one is on the path
+        assert sum(ok for _, _, ok in trials) == len(path) - 1
+        return [toks[i] for i in path[1:]] + [bonus], len(path) - 1
+
+    expected: dict[tuple, float] = {}
+
+    def walk(prefix, seq, prob):
+        if len(seq) == 3:
+            expected[seq] = expected.get(seq, 0.0) + prob
+            return
+        for x, px in enumerate(target_probs(p_logits(prefix), params).double().tolist()):
+            if px > 0:
+                walk(prefix + (x,), seq + (x,), prob * px)
+    walk((1,), (), 1.0)
+
+    counts, accepted = Counter(), 0
+    for _ in range(6000):
+        prefix, out = (1,), []
+        while len(out) < 3:
+            new, n_acc = round_(prefix)
+            accepted += n_acc
+            out += new
+            prefix += tuple(new)
+        counts[tuple(out[:3])] += 1
+    assert accepted > 2000  # drafts are accepted, so the test sees acceptance, not only bonus tokens
+    assert chi_square_pvalue(counts, expected) > 1e-3
+
+
+def test_rank_acceptance_scores_fall_with_rank_and_follow_what_is_observed():
+    from eaglespec.costmodel import RankAcceptance
+    ranks = RankAcceptance(max_depth=3, k=4)
+    for d in range(1, 4):
+        s = ranks.log_scores(d)
+        assert all(a > b for a, b in zip(s, s[1:]))
+    # depth 2's first child is always accepted, depth 1's never: the estimates follow
+    for _ in range(500):
+        ranks.observe([(1, 0, False), (1, 1, True), (2, 0, True)])
+    assert ranks.accept(2, 0) > 0.95 and ranks.accept(1, 0) < 0.05 and ranks.accept(1, 1) > 0.95
+    s = ranks.log_scores(1)
+    assert all(a > b for a, b in zip(s, s[1:]))  # still decreasing, even where rank 1 beats rank 0
+    for _ in range(5000):  # counts are halved past the half-life: a drift is followed
+        ranks.observe([(1, 0, True)])
+    assert ranks.accept(1, 0) > 0.9 and ranks.tries[1][0] <= RankAcceptance.HALF_LIFE

@@ -84,7 +84,8 @@ def verify_sampled(tree: Tree, logits: torch.Tensor, params: SamplingParams, gen
     speculative decoding argument), so the output is the target's distribution, provided the tree's shape did not
     depend on the drafted tokens (RankAcceptance). Why sampled drafts: at T = 1 a draft sampled from q is
     accepted with probability sum_x min(p, q), far above the p(x) a deterministic top-1 candidate gets when the
-    target's distribution is flat (0.45 against 0.28 on the target's own MT-bench answers; docs/performance.md).
+    target's distribution is flat (0.45 against 0.28 on the target's own MT-bench answers; docs/performance.md,
+    "Sampled drafts").
 
     Returns (accepted node indices, root first; the bonus token; (depth, rank, accepted) of every child tried)."""
     kids = tree.children()

@@ -255,10 +255,16 @@ def test_verification_emits_the_target_distribution(name):
 @pytest.mark.parametrize("drafts", ["sampled", "top-k"])
 @pytest.mark.parametrize("name,draws,draft_vocab", [("t1", 2000, None), ("t0.7-p0.9-k5", 1000, None),
                                                     ("t1", 1000, [0, 2, 3, 5, 7])])
-def test_engine_sampling_follows_the_target(name, draws, draft_vocab, drafts, make_oracle_pair):
+def test_engine_sampling_follows_the_target(name, draws, draft_vocab, drafts, make_oracle_pair, monkeypatch):
     """End to end: EAGLE's first three sampled tokens follow the target's exact joint distribution
     (also when the head drafts from a reduced vocabulary), with drafts sampled from the head (verify_sampled)
-    and with its top-k (verify)."""
+    and with its top-k (verify); each rule is the one that ran."""
+    import eaglespec.engine as engine_module
+    calls = Counter()
+    for rule in ("verify", "verify_sampled"):
+        real_rule = getattr(engine_module, rule)
+        monkeypatch.setattr(engine_module, rule,
+                            lambda *a, _f=real_rule, _n=rule, **k: (calls.update([_n]), _f(*a, **k))[1])
     params = SAMPLING[name]
     model, head = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
     if draft_vocab is not None:
@@ -274,6 +280,8 @@ def test_engine_sampling_follows_the_target(name, draws, draft_vocab, drafts, ma
         counts[tuple(r.token_ids)] += 1
         accepted += r.accept_lengths[0] > 1
     assert accepted > draws // 4  # drafts do get accepted
+    used = "verify_sampled" if drafts == "sampled" else "verify"
+    assert calls[used] > draws // 2 and set(calls) == {used}
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 

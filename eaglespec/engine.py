@@ -98,12 +98,17 @@ def tree_candidates(tree: TreeConfig) -> int:
     return tree.draft_top_k
 
 
+def draft_vocab_size(head: EagleHead) -> int:
+    """How many tokens the head drafts from: its reduced draft vocabulary, or the target's whole one."""
+    ids = head.draft_ids
+    return head.args.vocab_size if ids is None else int(ids.numel())
+
+
 def check_tree_fits_head(tree: TreeConfig, head: EagleHead | None) -> None:
     """A tree that asks for more candidates than the head can draft would crash mid-generation."""
     if head is None:
         return
-    ids = head.draft_ids
-    size = head.args.vocab_size if ids is None else ids.numel()
+    size = draft_vocab_size(head)
     need = tree_candidates(tree)
     if need > size:
         raise ValueError(f"the head's draft vocabulary has {size} token(s) but the {tree.kind} tree takes the top "
@@ -349,37 +354,35 @@ class Engine:
         logits = self.head.draft_logits(hidden) if self._draft_lm is None else self._draft_lm(hidden)
         return torch.log_softmax(logits.float() * inv_t, dim=-1)
 
-    @staticmethod
-    def _draw(lq: torch.Tensor, noise: torch.Tensor, mix: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's k children and their scores. noise zeros, mix [1, 1, 0...]: the top-k and their
-        log-probabilities, bit for bit (adding 0 and multiplying by 1 change no value). noise Gumbel, mix
-        [0, 1/T, s_0..s_k-1]: a sample without replacement from the rows (the Gumbel-top-k trick), scored by
-        position alone (s_r: RankAcceptance), so that which nodes are kept never depends on what was drawn."""
-        ids = (lq + noise).topk(k, dim=-1).indices
-        return lq.gather(-1, ids) * mix[0] + mix[2:], ids
+    def _children(self, hidden: torch.Tensor, noise: torch.Tensor, mix: torch.Tensor):
+        """Each head output row's k children: (their scores, their target ids, the row's log-probabilities over the
+        draft vocabulary). noise zeros, mix [1, 1, 0...]: the top-k and their log-probabilities, bit for bit (adding
+        0 and multiplying by 1 change no value). noise Gumbel, mix [0, 1/T, s_0..s_k-1]: a sample without
+        replacement from the rows at temperature T (the Gumbel-top-k trick), scored by position alone (s_r:
+        RankAcceptance), so that which nodes are kept never depends on what was drawn."""
+        lq = self._draft_logprobs(hidden, mix[1])
+        ids = (lq + noise).topk(self.tree.draft_top_k, dim=-1).indices
+        return lq.gather(-1, ids) * mix[0] + mix[2:], self._to_target_ids(ids), lq
 
     def _to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self._draft_ids is None else self._draft_ids[ids]
 
     def _catchup_fn(self, tokens, hidden, positions, last, noise, mix, *, slots, mask):
         """The head on the tokens just accepted (padded to a fixed count), fused with depth 1: the
-        root's predicted hidden state, its k children (_draw) and its log-probabilities."""
+        root's predicted hidden state, its k children (_children) and its log-probabilities."""
         out = self.head.first(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
         root = out.index_select(0, last)
-        lq = self._draft_logprobs(root, mix[1])
-        scores, ids = self._draw(lq, noise, mix, self.tree.draft_top_k)
-        return root[0], scores[0], self._to_target_ids(ids[0]), lq[0]
+        scores, ids, lq = self._children(root, noise, mix)
+        return root[0], scores[0], ids[0], lq[0]
 
     def _expand_fn(self, tokens, hidden, positions, scores, noise, mix, *, slots, mask):
-        """One depth: the frontier through the head, each row's k children (_draw), the k best children
+        """One depth: the frontier through the head, each row's k children (_children), the k best children
         overall, and the rows' log-probabilities."""
         out = self.head.step(self.model.embed_tokens(tokens), hidden, positions, mask=mask, cache_start=slots)[0]
-        k = self.tree.draft_top_k
-        lq = self._draft_logprobs(out, mix[1])
-        lp, ids = self._draw(lq, noise, mix, k)
+        lp, ids, lq = self._children(out, noise, mix)
         cum = lp + scores[:, None]
-        best = cum.flatten().topk(k).indices
-        return out, cum, self._to_target_ids(ids), best, lq
+        best = cum.flatten().topk(self.tree.draft_top_k).indices
+        return out, cum, ids, best, lq
 
     def _move_fn(self, src, dst):
         self.model.cache.move_slots(src, dst)
@@ -450,35 +453,28 @@ class Engine:
         h = self.head.first(self.model.embed_tokens(head_tokens), feats[None],
                             torch.arange(len(ids), device=dev)[None], cache_start=0)
         root_hidden = h[0, -1]
-        noise, mix = inputs(1, 1)
-        lq = self._draft_logprobs(root_hidden[None], mix[1])
-        scores, idx = self._draw(lq, noise, mix, self.tree.draft_top_k)
-        return root_hidden, scores[0], self._to_target_ids(idx[0]), lq[0]
-
-    def _draft_vocab_size(self) -> int:
-        if self._draft_ids is not None:
-            return int(self._draft_ids.numel())
-        return self.model.args.vocab_size
+        scores, ids, lq = self._children(root_hidden[None], *inputs(1, 1))
+        return root_hidden, scores[0], ids[0], lq[0]
 
     def _draw_inputs(self, sampled: "_Sampled | None"):
         """(depth, rows) -> (noise (rows, draft vocab), mix (k + 2,)) for the draft calls: the top-k (zeros, and
         [1, 1, 0...], kept once per size), or, for sampled drafts, fresh Gumbel noise from the generation's
         generator and the positions' scores of that depth (RankAcceptance)."""
-        k, dev = self.tree.draft_top_k, self.device
+        k, dev, vocab = self.tree.draft_top_k, self.device, draft_vocab_size(self.head)
         if sampled is None:
             def top(depth: int, rows: int):
                 key = (rows, k)
                 if key not in self._top_inputs:
                     mix = torch.zeros(k + 2, device=dev)
                     mix[:2] = 1.0
-                    self._top_inputs[key] = (torch.zeros(rows, self._draft_vocab_size(), device=dev), mix)
+                    self._top_inputs[key] = (torch.zeros(rows, vocab, device=dev), mix)
                 return self._top_inputs[key]
             return top
 
         def draw(depth: int, rows: int):
             # -log(-log(U)) beats -log(Exp(1)) here: torch.rand is 3x faster than exponential_ on CPU (0.10 against
             # 0.33 ms for 2 x 8k)
-            u = torch.rand(rows, self._draft_vocab_size(), generator=sampled.gen, device=dev)
+            u = torch.rand(rows, vocab, generator=sampled.gen, device=dev)
             noise = -torch.log(-torch.log(u.clamp_(min=1e-20)))
             mix = torch.tensor([0.0, sampled.inv_t] + sampled.ranks.log_scores(depth), device=dev)
             return noise, mix

@@ -258,7 +258,7 @@ class Drafter:
             out, cum, ids, best, lq = self.expand(f_tok[None], f_hidden[None], pos, f_score, noise, mix,
                                                   cache_start=base + n_slots, t=f, mask=f_anc)
             if q_rows is not None:
-                layout.append((n_cand, sum(r.shape[0] for r in q_rows)))
+                layout.append((n_cand, 1 + n_slots))  # row 0 is the root's; each earlier depth fed n_slots rows
                 q_rows.append(lq)
             n_slots += f
             toks.append(ids.flatten()); scs.append(cum.flatten()); deps.append(torch.full((f * k,), d, device=dev))

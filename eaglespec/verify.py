@@ -4,7 +4,8 @@ Greedy keeps the longest path that matches the target's argmax. Sampling walks d
 recursive rejection sampling over each node's (deterministic) children: child x is accepted with
 probability p(x); on rejection p(x) is zeroed and p renormalised; if all are rejected the next token
 is drawn from what is left of p. For any fixed set of candidates this draws exactly from p, so the
-output distribution is the target's.
+output distribution is the target's. Drafts *sampled* from the head (T > 0, the default) have their own rule,
+`verify_sampled`: child x is accepted with min(1, p(x) / q(x)) and a rejection leaves p's residual.
 """
 from __future__ import annotations
 

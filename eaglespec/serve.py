@@ -248,18 +248,24 @@ class Generation:
                                code="context_length_exceeded") from None
             self.metrics.add(prompt_tokens=len(ids))
             stream = engine.stream(input_ids=ids, **kw)
+            last = None
             try:
                 for chunk in stream:
                     self.metrics.add(generated_tokens=len(chunk.token_ids))
                     if chunk.result is not None:
                         self.metrics.finish(chunk.result)
-                    if self.stream or chunk.result is not None:
+                        last = chunk
+                    elif self.stream:
                         self._emit(chunk)
                     if self.cancel.is_set() and chunk.result is None:
                         self.metrics.cancel()
                         break
             finally:
                 stream.close()  # in this thread, which owns the engine
+            # The result goes out once the stream has let go of the engine: whoever gets the answer may use the
+            # engine at once (a caller sharing it with the server saw "already generating" now and then)
+            if last is not None:
+                self._emit(last)
         except Exception as e:  # handed to the request's handler, which answers in OpenAI's shape
             self._emit(e)
         finally:

@@ -77,6 +77,34 @@ def test_the_servers_usage_counts_the_tokens_plain_decoding_counts(engine):
             assert [e["usage"]["completion_tokens"] for e in events if e.get("usage")] == [9], method
 
 
+def test_the_server_answers_once_the_engine_is_free_again(engine, monkeypatch):
+    """Whoever has the server's answer may use the engine at once: the result is handed over after the stream
+    has let go of it. Its letting go is slowed here, so a result sent before it (as it was) fails every time."""
+    import contextlib
+    import time
+
+    import eaglespec.engine as engine_module
+    from fastapi.testclient import TestClient
+
+    from eaglespec.serve import create_app
+    real = engine_module._exclusive
+
+    @contextlib.contextmanager
+    def slow_release(e):
+        with real(e):
+            try:
+                yield
+            finally:
+                time.sleep(0.3)
+    monkeypatch.setattr(engine_module, "_exclusive", slow_release)
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    with TestClient(create_app(engine, "tiny")) as client:
+        for stream in (False, True):
+            r = client.post("/v1/completions", json={**body, "stream": stream})
+            assert r.status_code == 200, r.text
+            assert engine.generate("Hello", max_new_tokens=2).new_tokens >= 1, stream
+
+
 def test_overlapping_stops_end_at_the_match_that_completes_first(engine):
     e, v = both(engine, prompt="Question: what is", max_new_tokens=40, stop=["timas ", "ma"])
     assert v.text == " ti"

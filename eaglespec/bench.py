@@ -68,22 +68,26 @@ def register_method(name: str):
     return add
 
 
-def engine_method(method: str, tree_kind: str | None = None, draft_sampling: bool | None = None):
-    """A factory for one of our engine's methods, optionally with another tree shape or, at T > 0, the other
-    way of drafting (sampled from the head, or its top-k: Engine.draft_sampling)."""
+def engine_method(method: str, tree_kind: str | None = None, draft_sampling: bool | None = None,
+                  fuse_catchup: bool | None = None):
+    """A factory for one of our engine's methods, optionally with another tree shape, at T > 0 the other
+    way of drafting (sampled from the head, or its top-k: Engine.draft_sampling), or at T = 0 the head's
+    catch-up as a call of its own (Engine.fuse_catchup False)."""
     def factory(engine, model):
         tree = replace(engine.tree, kind=tree_kind) if tree_kind else engine.tree
 
         def run(input_ids, max_new_tokens, temperature, seed):
             base, engine.tree = engine.tree, tree
-            base_sampling = engine.draft_sampling
+            base_sampling, base_fuse = engine.draft_sampling, engine.fuse_catchup
             if draft_sampling is not None:
                 engine.draft_sampling = draft_sampling
+            if fuse_catchup is not None:
+                engine.fuse_catchup = fuse_catchup
             try:
                 return engine.generate(input_ids=input_ids, method=method, max_new_tokens=max_new_tokens,
                                        temperature=temperature, seed=seed)
             finally:
-                engine.tree, engine.draft_sampling = base, base_sampling
+                engine.tree, engine.draft_sampling, engine.fuse_catchup = base, base_sampling, base_fuse
         depth = None
         if method == "eagle":
             depth = tree.depth if tree.kind == "dynamic" else max(len(p) for p in tree.static_paths())
@@ -98,6 +102,9 @@ for _kind in ("dynamic", "static", "chain"):
 # the two ways of drafting at T > 0, side by side in one run (at T = 0 both are the top-k)
 register_method("eagle-sampled")(engine_method("eagle", draft_sampling=True))
 register_method("eagle-topk")(engine_method("eagle", draft_sampling=False))
+# greedy rounds with the head's catch-up as a call of its own, for an A/B of the fused verification (at T > 0
+# every round has it as its own call)
+register_method("eagle-unfused")(engine_method("eagle", fuse_catchup=False))
 
 
 @register_method("hf")
@@ -698,7 +705,7 @@ def head_engines(engine, heads: dict[str, str], progress: bool) -> dict[str, obj
             # compile) instead of compiling them again. Generations run one at a time, so one cache serves.
             e._target_call, e._move = engine._target_call, engine._move
         e.head_source = path
-        e.draft_sampling = engine.draft_sampling
+        e.draft_sampling, e.fuse_catchup = engine.draft_sampling, engine.fuse_catchup
         if e.compiled:
             from .cli import compile_progress
             e.warmup(progress=compile_progress(quiet=not progress))

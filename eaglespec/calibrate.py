@@ -39,12 +39,17 @@ def parse_sizes(text: str | None) -> tuple[int, ...]:
 
 def format_table(table) -> str:
     base = table.t_verify(1)
-    lines = ["   n   T(n) ms   T(n)/T(1)"]
-    lines += [f"{n:>4} {ms:>9.2f} {ms / base:>11.2f}" for n, ms in sorted(table.verify_ms.items())]
+    fused = table.fused_verify_ms
+    lines = ["   n   T(n) ms   T(n)/T(1)" + ("   with catch-up ms   /T(1)" if fused else "")]
+    lines += [f"{n:>4} {ms:>9.2f} {ms / base:>11.2f}"
+              + (f" {fused[n]:>18.2f} {fused[n] / base:>7.2f}" if n in fused else "")
+              for n, ms in sorted(table.verify_ms.items())]
     if table.draft_first_ms:
         lines.append(f"draft: catch-up + depth 1 {table.draft_first_ms:.2f} ms ({table.draft_first_ms / base:.2f} steps), "
                      f"each further depth {table.draft_step_ms:.2f} ms ({table.draft_step_ms / base:.2f} steps)")
     key = table.key
+    if fused:
+        lines.append("with catch-up: greedy rounds verify with the head's catch-up and depth 1 in the same call")
     lines.append(f"({key.get('device')} {key.get('dtype')}, {key.get('mode')}, torch {key.get('torch')}, "
                  f"{key.get('threads')} threads, {key.get('gemm', 'torch')} GEMM)")
     return "\n".join(lines)

@@ -36,20 +36,25 @@ class CostTable:
     draft_step_ms: float               # one further depth of the frontier
     key: dict = field(default_factory=dict)
     context: int = 256                 # cached prefix length the calls were timed after
+    # n tokens verified with the head's catch-up and depth 1 inside the same call (greedy rounds, engine's
+    # fused verification) -> ms; empty in tables from before it, or without a head
+    fused_verify_ms: dict[int, float] = field(default_factory=dict)
 
-    def t_verify(self, n: int) -> float:
-        if n in self.verify_ms:
-            return self.verify_ms[n]
-        xs = sorted(self.verify_ms)
-        lo = max((x for x in xs if x <= n), default=xs[0])
-        hi = min((x for x in xs if x >= n), default=xs[-1])
-        if lo == hi:
-            return self.verify_ms[lo] * (n / lo if n > lo else 1.0)
-        w = (n - lo) / (hi - lo)
-        return self.verify_ms[lo] * (1 - w) + self.verify_ms[hi] * w
+    def t_verify(self, n: int, fused: bool = False) -> float:
+        """Verifying n tokens; fused: with the head's catch-up and depth 1 in the same call."""
+        if fused:
+            if self.fused_verify_ms:
+                return _interpolate(self.fused_verify_ms, n)
+            return _interpolate(self.verify_ms, n) + self.draft_first_ms  # not measured: the two calls' sum
+        return _interpolate(self.verify_ms, n)
 
-    def t_draft(self, depth: int) -> float:
-        return self.draft_first_ms + max(0, depth - 1) * self.draft_step_ms
+    def t_draft(self, depth: int, fused: bool = False) -> float:
+        """Drafting `depth` levels; fused: depth 1 came with the last verification, so only deeper ones cost."""
+        return (0.0 if fused else self.draft_first_ms) + max(0, depth - 1) * self.draft_step_ms
+
+    def fused_extra(self) -> dict[int, float]:
+        """n -> what the fused call costs beyond verification alone (ms)."""
+        return {n: t - self.t_verify(n) for n, t in sorted(self.fused_verify_ms.items())}
 
     def ratios(self) -> dict[int, float]:
         base = self.verify_ms.get(1) or self.t_verify(1)
@@ -59,12 +64,27 @@ class CostTable:
         d = asdict(self)
         d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
         d["ratios"] = {str(k): round(v, 3) for k, v in self.ratios().items()}
+        d["fused_verify_ms"] = {str(k): v for k, v in self.fused_verify_ms.items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CostTable":
         return cls({int(k): float(v) for k, v in d["verify_ms"].items()}, float(d["draft_first_ms"]),
-                   float(d["draft_step_ms"]), d.get("key", {}), int(d.get("context", 256)))
+                   float(d["draft_step_ms"]), d.get("key", {}), int(d.get("context", 256)),
+                   {int(k): float(v) for k, v in d.get("fused_verify_ms", {}).items()})
+
+
+def _interpolate(table: dict[int, float], n: int) -> float:
+    """Linear between the measured sizes; beyond the largest, in proportion to n."""
+    if n in table:
+        return table[n]
+    xs = sorted(table)
+    lo = max((x for x in xs if x <= n), default=xs[0])
+    hi = min((x for x in xs if x >= n), default=xs[-1])
+    if lo == hi:
+        return table[lo] * (n / lo if n > lo else 1.0)
+    w = (n - lo) / (hi - lo)
+    return table[lo] * (1 - w) + table[hi] * w
 
 
 # ---- measuring ----------------------------------------------------------------------------------
@@ -143,6 +163,9 @@ def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256,
     if engine.head is not None:
         calls[("draft", "first")] = lambda: engine.time_draft_call("first", context)
         calls[("draft", "step")] = lambda: engine.time_draft_call("step", context)
+        if getattr(engine, "fuses_catchup", False):
+            calls.update({("fused", n): (lambda n=n: engine.time_verify_call(n, context, fused=True))
+                          for n in sizes if n > 1})
     for name, fn in calls.items():  # compile / warm caches
         if progress:
             progress(f"{name[0]} {name[1]}")
@@ -155,8 +178,9 @@ def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256,
             times[name].append(time.perf_counter() - t0)
     ms = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
     verify_ms = {n: ms[("verify", n)] for n in sizes}
+    fused = {n: ms[("fused", n)] for n in sizes if ("fused", n) in ms}
     return CostTable(verify_ms, ms.get(("draft", "first"), 0.0), ms.get(("draft", "step"), 0.0),
-                     table_key(engine), context)
+                     table_key(engine), context, fused)
 
 
 def load_table(engine) -> CostTable | None:
@@ -205,16 +229,21 @@ def load_or_measure(engine, sizes, progress=None, log=None) -> CostTable:
     context = 256 if table is None else table.context
     if table is not None and all(n in table.verify_ms for n in sizes) and table.draft_first_ms > 0:
         off = stale_sizes(engine, table, sizes)
-        if not off:
+        # an engine that fuses the catch-up into verification needs that call timed too (older tables lack it)
+        fused_ok = not getattr(engine, "fuses_catchup", False) or all(
+            n in table.fused_verify_ms for n in sizes if n > 1)
+        if not off and fused_ok:
             return table
-        if log:
-            log("cached calibration does not match this machine now (" +
-                ", ".join(f"T({n}) {c:.1f} ms cached, {v:.1f} ms live" for n, (c, v) in off.items()) +
-                "); re-measuring: run `eaglespec calibrate` on a quiet machine for a full table")
-        table = None  # its other sizes were timed under the same conditions: drop them too
+        if off:
+            if log:
+                log("cached calibration does not match this machine now (" +
+                    ", ".join(f"T({n}) {c:.1f} ms cached, {v:.1f} ms live" for n, (c, v) in off.items()) +
+                    "); re-measuring: run `eaglespec calibrate` on a quiet machine for a full table")
+            table = None  # its other sizes were timed under the same conditions: drop them too
     fresh = measure(engine, sizes, reps=7, context=context, progress=progress)
     if table is not None:  # keep sizes measured earlier (a full `calibrate`)
         fresh.verify_ms = {**table.verify_ms, **fresh.verify_ms}
+        fresh.fused_verify_ms = {**table.fused_verify_ms, **fresh.fused_verify_ms}
     save_table(fresh)
     return fresh
 
@@ -224,8 +253,12 @@ def load_or_measure(engine, sizes, progress=None, log=None) -> CostTable:
 class TreePolicy:
     """Chooses each round's draft depth (before drafting) and verified size (after drafting)."""
 
-    def __init__(self, table: CostTable, buckets: tuple[int, ...], max_depth: int, ema: float = 0.05):
+    def __init__(self, table: CostTable, buckets: tuple[int, ...], max_depth: int, ema: float = 0.05,
+                 fused: bool = False):
+        """fused: rounds verify with the head's catch-up and depth 1 in the same call (greedy rounds of an
+        engine that fuses them), so depth 1 costs no drafting and each size costs the fused call."""
         self.table, self.buckets, self.max_depth, self.ema = table, tuple(sorted(buckets)), max_depth, ema
+        self.fused = fused
         # per depth: observed and predicted chance that the accepted path reaches it (calibration);
         # a prior of a few pseudo-rounds at factor 1 keeps early rounds sane
         self.obs = [1.0] * (max_depth + 1)
@@ -264,7 +297,7 @@ class TreePolicy:
     def _best(self, cum: list[float], t_draft: float) -> tuple[float, int]:
         """(rate, n) of the best bucket that this many candidates can fill."""
         fits = [b for b in self.buckets if b - 1 < len(cum)] or [self.buckets[0]]
-        return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.table.t_verify(b)), -b) for b in fits)
+        return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.table.t_verify(b, self.fused)), -b) for b in fits)
 
     def choose(self, scores: list[float], depths: list[int], drafted: int,
                free=frozenset()) -> tuple[int, list[int]]:
@@ -274,9 +307,10 @@ class TreePolicy:
         free: candidates that cost no drafting (the n-gram chain's), scored as calibrated log-probs."""
         curves = self._curves(scores, depths, drafted, free)
         # drafting is already paid for: only the verification cost differs between sizes
-        _, neg_n = self._best(curves[drafted], self.table.t_draft(drafted))
+        _, neg_n = self._best(curves[drafted], self.table.t_draft(drafted, self.fused))
         n = -neg_n
-        best_d = max(range(1, drafted + 1), key=lambda d: self._best(curves[d], self.table.t_draft(d))[0])
+        best_d = max(range(1, drafted + 1),
+                     key=lambda d: self._best(curves[d], self.table.t_draft(d, self.fused))[0])
         self.depth_estimate += 0.25 * (best_d - self.depth_estimate)
         keep = sorted(self._order[:n - 1])
         return len(keep) + 1, keep

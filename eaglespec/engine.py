@@ -257,13 +257,22 @@ class Engine:
         self._expand_call = StaticCall(self._expand_fn, head, mode, "expand", packed, skip_guards=True,
                                        state=top_k) if head is not None else None
         self._move = compile_fn(self._move_fn, mode, packed) if mode is not None else self._move_fn
+        # Greedy rounds verify and run the head's catch-up in one call (_fused_fn): the catch-up as a call of
+        # its own cost ~1.5 ms a round on the default CPU model, a quarter of a plain step, mostly waking the
+        # second core's thread and the call's own overhead; inside the verification it costs ~0.3-0.4 ms
+        # (docs/performance.md, "The catch-up inside the verification"). False: the separate call, as at T > 0.
+        self.fuse_catchup = True
+        self._fused_call = StaticCall(self._fused_fn, model, mode, "verify+catch-up", packed, dynamic_t=packed,
+                                      skip_guards=True, state=top_k) if head is not None else None
+        self._move_both = (compile_fn(self._move_both_fn, mode, packed) if mode is not None
+                           else self._move_both_fn) if head is not None else None
         self._cost_table = cost_table
-        self.policy: TreePolicy | None = None
+        self.policy: TreePolicy | None = None  # the latest top-k drafts' policy (for callers that inspect it)
+        self._policies: dict[tuple[bool, bool], TreePolicy] = {}  # (sampled drafts, fused catch-up) -> policy
         # At T > 0: draw the drafts from the head's distribution (verify_sampled) instead of taking its top-k
         # (verify). Both are lossless; sampled drafts are accepted more often where the target is unsure
         # (docs/performance.md, "Sampled drafts"). Greedy decoding always takes the top-k.
         self.draft_sampling = True
-        self._sampled_policy: TreePolicy | None = None  # sampled drafts' tree sizes: other scores, other calibration
         self._ranks: RankAcceptance | None = None
         self._top_inputs: dict = {}
         self._switch: SpecSwitch | None = None
@@ -384,8 +393,31 @@ class Engine:
         best = cum.flatten().topk(self.tree.draft_top_k).indices
         return out, cum, ids, best, lq
 
+    def _fused_fn(self, tokens, positions, *, slots, mask):
+        """A greedy round's verification with the head's catch-up and depth 1 in the same call. The head runs
+        on every tree node, fed (the node's feature, the target's argmax there), in the node's own head-cache
+        slot under the tree's mask. On the nodes greedy acceptance keeps, that argmax is the next accepted
+        token (or the bonus), and their ancestors are the accepted ones: exactly the pairs the catch-up would
+        feed, in the slots it would write once the accepted path is moved into place (_move_both). The other
+        nodes' entries are dropped like the target's. Returns the target's (features, argmax) and every
+        node's head output and top-k (scores, target ids): the last accepted node's start the next round."""
+        feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
+        amax = logits[0].argmax(-1)
+        out = self.head.first(self.model.embed_tokens(amax[None]), feats, positions, mask=mask, cache_start=slots)[0]
+        top = self._draft_logprobs(out).topk(self.tree.draft_top_k, dim=-1)
+        return feats[0], amax, out, top.values, self._to_target_ids(top.indices)
+
     def _move_fn(self, src, dst):
         self.model.cache.move_slots(src, dst)
+
+    def _move_both_fn(self, src, dst):
+        self.model.cache.move_slots(src, dst)
+        self.head.cache.move_slots(src, dst)
+
+    @property
+    def fuses_catchup(self) -> bool:
+        """Whether greedy rounds run the head's catch-up inside the verification call."""
+        return self.fuse_catchup and self._fused_call is not None
 
     # ---- decoding --------------------------------------------------------------------------------
 
@@ -541,21 +573,29 @@ class Engine:
     def forget_policies(self) -> None:
         """Drop the tree policies (they are rebuilt, from the cost table, at their next round)."""
         self.policy = None
-        self._sampled_policy = None
+        self._policies.clear()
 
-    def _get_policy(self, sampled: bool = False) -> TreePolicy | None:
-        if not (self.tree.auto and self.tree.kind == "dynamic"):
-            return None
+    def _auto_tree(self) -> bool:
+        return self.tree.auto and self.tree.kind == "dynamic"
+
+    def _table(self):
+        """The cost table the auto tree is sized by (the cached calibration, spot-checked; measured if none)."""
         if self._cost_table is None:
             from .costmodel import load_or_measure
             self._cost_table = load_or_measure(self, (1,) + self.auto_buckets(), log=_notice)
-        if sampled:
-            if self._sampled_policy is None:
-                self._sampled_policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
-            return self._sampled_policy
-        if self.policy is None:
-            self.policy = TreePolicy(self._cost_table, self.auto_buckets(), self.tree.max_depth)
-        return self.policy
+        return self._cost_table
+
+    def _get_policy(self, sampled: bool = False, fused: bool = False) -> TreePolicy | None:
+        """The tree policy of this way of drafting: sampled drafts have other scores to calibrate, and fused
+        rounds other costs (depth 1 comes with the verification), so each keeps its own."""
+        if not self._auto_tree():
+            return None
+        key = (sampled, fused)
+        if key not in self._policies:
+            self._policies[key] = TreePolicy(self._table(), self.auto_buckets(), self.tree.max_depth, fused=fused)
+        if not sampled:
+            self.policy = self._policies[key]
+        return self._policies[key]
 
     def _get_sampled(self, params: SamplingParams, gen: torch.Generator) -> _Sampled | None:
         """The generation's sampled-draft state, or None where it takes the top-k (greedy, or switched off)."""
@@ -573,9 +613,9 @@ class Engine:
         default."""
         if self._switch is not None:  # installed already (by an earlier generation, or a caller)
             return self._switch
-        if self._get_policy() is None or os.environ.get("EAGLESPEC_SPEC_SWITCH", "0") != "1":
+        if not self._auto_tree() or os.environ.get("EAGLESPEC_SPEC_SWITCH", "0") != "1":
             return None
-        self._switch = SpecSwitch(self._cost_table.t_verify(1), self._pad)
+        self._switch = SpecSwitch(self._table().t_verify(1), self._pad)
         return self._switch
 
     def _get_ngram(self) -> NgramProposer | None:
@@ -595,7 +635,9 @@ class Engine:
         dev = self.device
         sampled = self._get_sampled(params, gen)
         inputs = self._draw_inputs(sampled)
-        policy = self._get_policy(sampled is not None)
+        # greedy: the argmax a node's head input needs is known inside the verification (_fused_fn)
+        fused = params.greedy and self.fuses_catchup
+        policy = self._get_policy(sampled is not None, fused)
         drafter = Drafter(self._expand_call, self.tree)
         # the n-gram chain's tokens are not drawn from the head: verify_sampled has no rule for them
         ngram = self._get_ngram() if sampled is None else None
@@ -645,7 +687,11 @@ class Engine:
             _sync(dev)
             t1 = time.perf_counter()
             n = len(tree)
-            f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, tree.ancestor_mask())
+            if fused:
+                f, amax, h_out, h_scores, h_ids = self._fused_call(
+                    tree.tokens[None], (cur + tree.depths)[None], cache_start=cur, t=n, mask=tree.ancestor_mask())
+            else:
+                f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, tree.ancestor_mask())
             if params.greedy:
                 path, bonus, new = greedy_accept(tree, amax)
             else:
@@ -663,7 +709,7 @@ class Engine:
                 dst = torch.arange(self._pad, device=dev)
                 src[accepted:] = dst[accepted:] + n  # padding: slots past the tree copy onto themselves, harmlessly
                 dst[accepted:] += n
-                self._move(cur + src, cur + dst)
+                (self._move_both if fused else self._move)(cur + src, cur + dst)
             t2 = time.perf_counter()
             self._learn(path, policy)
             timers.draft += t1 - t0
@@ -673,8 +719,12 @@ class Engine:
             timers.accept.append(len(new))
             yield new
             t0 = time.perf_counter()
-            path_t = torch.tensor(path + [0] * (self._pad - accepted), device=dev)
-            root_hidden, root_scores, root_ids, root_q = self._catchup(new, f, path_t, cur, inputs)
+            if fused:  # the head caught up inside the verification: the last accepted node is the next root
+                last = path[-1]
+                root_hidden, root_scores, root_ids, root_q = h_out[last], h_scores[last], h_ids[last], None
+            else:
+                path_t = torch.tensor(path + [0] * (self._pad - accepted), device=dev)
+                root_hidden, root_scores, root_ids, root_q = self._catchup(new, f, path_t, cur, inputs)
             root, cur = bonus, cur + accepted
             if ngram is not None:
                 ngram.extend(new)
@@ -712,7 +762,8 @@ class Engine:
         else:
             verify.add(min(t.max_nodes, t.max_candidates + 1))
         frontier = {t.draft_top_k} if t.kind == "dynamic" else {len(rows) for rows in Drafter(None, t)._plan[0]}
-        return {"verify": sorted(verify), "frontier": sorted(frontier), "catch-up": [self._pad]}
+        fused = sorted(n for n in verify if n > 1) if self.fuses_catchup else []
+        return {"verify": sorted(verify), "frontier": sorted(frontier), "catch-up": [self._pad], "fused": fused}
 
     @torch.inference_mode()
     def warmup(self, progress=None) -> None:
@@ -721,27 +772,36 @@ class Engine:
         steps = [("verify", n) for n in shapes["verify"]]
         if self.head is not None:
             steps += [("catch-up", shapes["catch-up"][0])] + [("frontier", f) for f in shapes["frontier"]]
+            steps += [("verify+catch-up", n) for n in shapes["fused"]]
         for i, (kind, n) in enumerate(steps):
             if progress:
                 progress(i, len(steps), f"{kind} {n}")
-            if kind == "verify":
-                self.time_verify_call(n, 64)
+            if kind in ("verify", "verify+catch-up"):
+                self.time_verify_call(n, 64, fused=kind != "verify")
             else:
                 self.time_draft_call("first" if kind == "catch-up" else "step", 64, n)
         if self.head is not None:
             p = self._pad
             self._move(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
-            self._get_policy()  # load (and spot-check) the cost table now, not inside the first timed round
+            if self._move_both is not None:
+                self._move_both(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
+            if self._auto_tree():
+                self._table()  # load (and spot-check) the cost table now, not inside the first timed round
         if progress:
             progress(len(steps), len(steps), "done")
 
     @torch.inference_mode()
-    def time_verify_call(self, n: int, context: int) -> None:
-        """One verification of n tokens after `context` cached ones (cache contents are scratch)."""
+    def time_verify_call(self, n: int, context: int, fused: bool = False) -> None:
+        """One verification of n tokens after `context` cached ones (cache contents are scratch); fused: the
+        greedy rounds' call, with the head's catch-up and depth 1 (_fused_fn)."""
         dev = self.device
         toks = torch.zeros(n, dtype=torch.long, device=dev)
         pos = context + torch.arange(n, device=dev)
         mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril(context)
+        if fused:
+            out = self._fused_call(toks[None], pos[None], cache_start=context, t=n, mask=mask)
+            out[1].tolist()
+            return
         self._verify_forward(toks, pos, context, mask)[2].tolist()
 
     @torch.inference_mode()

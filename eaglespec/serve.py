@@ -133,6 +133,7 @@ def replicate(engine: "Engine", n: int) -> list["Engine"]:
                    engine.max_context, **extra)
         e.head_source = getattr(engine, "head_source", None)
         e.draft_sampling = getattr(engine, "draft_sampling", True)
+        e.fuse_catchup = getattr(engine, "fuse_catchup", True)
         engines.append(e)
     return engines
 

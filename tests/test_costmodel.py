@@ -2,6 +2,7 @@
 is lossless (greedy identical to plain decoding, sampling follows the target's distribution)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -83,6 +84,22 @@ def test_depth_follows_the_cost_of_drafting():
         cheap.choose(*chain_like(cheap.depth()), cheap.depth())
         dear.choose(*chain_like(dear.depth()), dear.depth())
     assert cheap.depth_estimate > 3.5 and dear.depth_estimate < 1.5
+
+
+def test_fused_rounds_are_sized_by_the_fused_call_and_draft_depth_1_for_free(tmp_path, monkeypatch):
+    """Greedy rounds that verify with the head's catch-up inside the call: each size costs the fused call's
+    time, depth 1 costs no drafting, and a table that never timed the fused call falls back to the sum of
+    the two calls. The same candidates then get another size under the two cost models."""
+    t = CostTable({n: 10.0 for n in (1, 2, 4, 8, 16)}, 5.0, 1.0, {"mode": "synthetic"},
+                  fused_verify_ms={2: 10.5, 4: 20.0, 8: 30.0, 16: 40.0})
+    assert t.t_draft(1, fused=True) == 0.0 and t.t_draft(3, fused=True) == 2.0 and t.t_draft(3) == 7.0
+    assert t.t_verify(4, fused=True) == 20.0 and t.t_verify(6, fused=True) == pytest.approx(25.0)
+    assert t.t_verify(4) == 10.0 and dataclasses.replace(t, fused_verify_ms={}).t_verify(4, fused=True) == 15.0
+    assert CostTable.from_json(json.loads(json.dumps(t.to_json()))).fused_verify_ms == t.fused_verify_ms
+    scores, depths = candidates(depth=1)
+    # 4 candidates worth 0.5 each: 2 tokens verified give 1.5 expected, 4 give 2.5
+    assert TreePolicy(t, (2, 4), max_depth=5).choose(scores, depths, 1)[0] == 4  # 2.5 / 15 ms against 1.5 / 15
+    assert TreePolicy(t, (2, 4), max_depth=5, fused=True).choose(scores, depths, 1)[0] == 2  # 1.5 / 10.5 vs 2.5 / 20
 
 
 def test_calibration_learns_observed_acceptance():
@@ -209,10 +226,17 @@ def test_a_cached_table_that_no_longer_matches_the_machine_is_remeasured(tiny_ch
 
     # a table that matches the live timings (faked here: real sub-ms timings jitter) is returned untouched
     monkeypatch.setattr(costmodel, "_median_ms", lambda fn, reps: fresh.verify_ms[1] * 1.1)
-    matching = CostTable({n: fresh.verify_ms[1] for n in sizes}, 1.0, 1.0, costmodel.table_key(engine))
+    assert engine.fuses_catchup and set(fresh.fused_verify_ms) == set(sizes) - {1}  # greedy rounds' call timed too
+    matching = CostTable({n: fresh.verify_ms[1] for n in sizes}, 1.0, 1.0, costmodel.table_key(engine),
+                         fused_verify_ms={n: fresh.verify_ms[1] for n in sizes if n > 1})
     costmodel.save_table(matching)
     notes.clear()
     assert costmodel.load_or_measure(engine, sizes, log=notes.append).verify_ms == matching.verify_ms and not notes
+
+    # a table from before the fused call (no timings of it) is measured again, with them, and without a notice
+    costmodel.save_table(dataclasses.replace(matching, fused_verify_ms={}))
+    again = costmodel.load_or_measure(engine, sizes, log=notes.append)
+    assert set(again.fused_verify_ms) == set(sizes) - {1} and not notes
 
 
 class Alternating(SpecSwitch):

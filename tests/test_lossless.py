@@ -96,6 +96,31 @@ def test_good_head_accepts_several_tokens_and_is_lossless(kind, good, moves, sam
         assert len(moves) > 10
 
 
+def counting(calls: Counter, name: str, fn):
+    def call(*a, **k):
+        calls[name] += 1
+        return fn(*a, **k)
+    return call
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_catch_up_inside_the_verification_drafts_as_the_separate_call_does(kind, good, same_or_tie):
+    """Greedy rounds run the head's catch-up inside the verification call (Engine._fused_fn): lossless, and
+    the next round's drafts are those of the catch-up as a call of its own, so every prompt goes through
+    the same rounds (the same accepted lengths); the separate call then runs only after the prefill."""
+    model, head, prompts, vanilla = good
+    fused, apart = (Engine(model, head=head, tree=TreeConfig(kind=kind)) for _ in range(2))
+    apart.fuse_catchup = False
+    calls = Counter()
+    fused._fused_call = counting(calls, "fused", fused._fused_call)
+    fused._catchup_call = counting(calls, "catch-up", fused._catchup_call)
+    a = check_lossless(fused, prompts[:12], vanilla[:12], same_or_tie)
+    b = check_lossless(apart, prompts[:12], vanilla[:12], same_or_tie)
+    assert [r.accept_lengths for r in a] == [r.accept_lengths for r in b]
+    assert max(max(r.accept_lengths) for r in a) >= 4  # paths deep enough that the head's tree mask matters
+    assert calls["fused"] == sum(r.target_forwards for r in a) and calls["catch-up"] == 0
+
+
 def with_draft_vocab(head: EagleHead, ids: torch.Tensor) -> EagleHead:
     reduced = EagleHead(head.args, bias=head.bias, draft_vocab=ids)
     reduced.load_state_dict(head.state_dict(), strict=False)

@@ -110,8 +110,9 @@ def compile_progress(quiet: bool = False):
     return show
 
 
-def build_engine(args, head: bool = True, warm: bool = True):
-    """The engine the flags ask for; a compiled one has every shape compiled (with progress) before it returns."""
+def build_engine(args, head: bool = True, warm: bool = True, greedy: bool | None = None):
+    """The engine the flags ask for; a compiled one has every shape compiled (with progress) before it returns
+    (greedy True / False: only the shapes greedy / sampled generations call, see Engine.warmup)."""
     import torch
     from .engine import Engine
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -120,7 +121,7 @@ def build_engine(args, head: bool = True, warm: bool = True):
                          compile=resolve_compile(args))
     engine.draft_sampling = getattr(args, "drafts", "sampled") == "sampled"
     if engine.compiled and warm:
-        engine.warmup(progress=compile_progress())  # on stderr: never mixes with JSON on stdout
+        engine.warmup(progress=compile_progress(), greedy=greedy)  # on stderr: never mixes with JSON on stdout
     return engine
 
 

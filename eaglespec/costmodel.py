@@ -215,8 +215,13 @@ def stale_sizes(engine, table: CostTable, sizes, reps: int = 5) -> dict[int, tup
     of a few calls each (well under a second on the default model) catch it."""
     off = {}
     for n in sorted({min(sizes), max(sizes)}):
-        cached = table.verify_ms[n]
-        live = _median_ms(lambda: engine.time_verify_call(n, table.context), reps)
+        # the largest size through the call greedy rounds make where the engine fuses and was warmed for them
+        # (a greedy command warms only that call, a sampling one only the other: Engine.warmup); either tells
+        # whether the machine is as it was
+        fused = (n > 1 and getattr(engine, "fuses_catchup", False) and n in table.fused_verify_ms
+                 and getattr(engine, "warmed_for", None) is not False)
+        cached = table.fused_verify_ms[n] if fused else table.verify_ms[n]
+        live = _median_ms(lambda: engine.time_verify_call(n, table.context, fused=fused), reps)
         if abs(live - cached) > STALE_SLACK_MS and max(live / cached, cached / live) > STALE_TOLERANCE:
             off[n] = (cached, live)
     return off

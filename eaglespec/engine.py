@@ -275,6 +275,7 @@ class Engine:
         self.draft_sampling = True
         self._ranks: RankAcceptance | None = None
         self._top_inputs: dict = {}
+        self.warmed_for: bool | None = None  # the last warmup's `greedy`
         self._switch: SpecSwitch | None = None
         self._ngram: NgramProposer | None = None
 
@@ -766,13 +767,22 @@ class Engine:
         return {"verify": sorted(verify), "frontier": sorted(frontier), "catch-up": [self._pad], "fused": fused}
 
     @torch.inference_mode()
-    def warmup(self, progress=None) -> None:
-        """Run (and so compile) every shape once, off to the side of the cache."""
+    def warmup(self, progress=None, greedy: bool | None = None) -> None:
+        """Run (and so compile) every shape once, off to the side of the cache. greedy: True, only what greedy
+        generations call (plain steps, the fused verification, the frontier); False, only what T > 0 calls
+        (the verification sizes, the catch-up, the frontier); None, everything. Why: in a new process each
+        of the target's graphs takes ~5-6 s to load from the cache (dynamo traces it again), and a command
+        that knows its temperature should not wait for graphs it never calls; one it does call later
+        compiles then."""
+        self.warmed_for = greedy
         shapes = self.shapes()
-        steps = [("verify", n) for n in shapes["verify"]]
+        fused = shapes["fused"] if greedy is not False else []
+        steps = [("verify", n) for n in shapes["verify"] if n == 1 or not (greedy and fused)]
         if self.head is not None:
-            steps += [("catch-up", shapes["catch-up"][0])] + [("frontier", f) for f in shapes["frontier"]]
-            steps += [("verify+catch-up", n) for n in shapes["fused"]]
+            if not (greedy and fused):
+                steps += [("catch-up", shapes["catch-up"][0])]
+            steps += [("frontier", f) for f in shapes["frontier"]]
+            steps += [("verify+catch-up", n) for n in fused]
         for i, (kind, n) in enumerate(steps):
             if progress:
                 progress(i, len(steps), f"{kind} {n}")

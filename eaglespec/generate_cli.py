@@ -70,7 +70,7 @@ def run_generate(args) -> int:
         raise ValueError("--repeats must be at least 1")
     kw = _request(args, prompt)
     _check_before_loading(args, kw)
-    engine = build_engine(args)
+    engine = build_engine(args, greedy=args.temperature == 0)
     engine.encode(**{k: kw[k] for k in ("prompt", "messages") if k in kw})  # validate before loading time
     if not args.compare:
         r = _stream(engine, kw, args.method, show=not args.json)
@@ -120,7 +120,7 @@ def _median_speedup(engine, kw, v, e, repeats: int) -> tuple[float, list[dict]]:
 
 def run_chat(args) -> int:
     _check_before_loading(args, _request(args, "-"))
-    engine = build_engine(args)
+    engine = build_engine(args, greedy=args.temperature == 0)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

@@ -4,6 +4,7 @@ Compiled with inductor's default mode: the kernels differ from max-autotune's, t
 logic under test do not."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from eaglespec.engine import Engine
@@ -42,24 +43,30 @@ def test_compiled_engine_matches_eager_greedy(make_oracle_pair, same_or_tie):
     assert torch.allclose(got, ref, atol=1e-4), float((got - ref).abs().max())
 
 
-def test_warmup_compiles_every_graph_that_generation_uses(make_oracle_pair):
+@pytest.mark.parametrize("greedy", [None, True, False])
+def test_warmup_compiles_every_graph_that_generation_uses(make_oracle_pair, greedy):
     """After `warmup`, generating compiles nothing more: a graph compiled lazily costs the first user
-    request seconds to minutes (a stride-0 root hidden once recompiled the depth call)."""
+    request seconds to minutes (a stride-0 root hidden once recompiled the depth call). warmup(greedy=True)
+    / (greedy=False), which skip the other temperature's graphs, cover every greedy / sampled generation."""
     from torch._dynamo.utils import counters
     model, head = make_oracle_pair(noise=0.3, logit_scale=3.0)
     engine = Engine(model, head=head, tree=TreeConfig(total_tokens=8), max_context=256, compile="default")
-    engine.warmup()
-    before = sum(counters["stats"].values()), dict(counters["stats"])
+    engine.warmup(greedy=greedy)
+    before = dict(counters["stats"])
+    temps = {None: (0.0, 1.0), True: (0.0,), False: (1.0,)}[greedy]
     for seed in range(2):
         prompt = torch.randint(3, model.args.vocab_size, (12 + 5 * seed,),
                                generator=torch.Generator().manual_seed(seed)).tolist()
         for method in ("vanilla", "eagle"):
-            engine.generate(input_ids=prompt, max_new_tokens=24, method=method, ignore_eos=True)
-    assert dict(counters["stats"]) == before[1], (before[1], dict(counters["stats"]))
+            for t in temps:
+                engine.generate(input_ids=prompt, max_new_tokens=24, method=method, ignore_eos=True,
+                                temperature=t, seed=seed)
+    assert dict(counters["stats"]) == before, (before, dict(counters["stats"]))
 
 
 WARM_SCRIPT = r"""
 import json, sys
+import pytest
 import torch
 from eaglespec.engine import Engine
 engine = Engine.load(sys.argv[1], head="random", device="cpu", compile=True)

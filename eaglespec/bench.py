@@ -40,7 +40,9 @@ DEFINITIONS = {
     "greedy_identical": "at temperature 0: every generation equals vanilla's token for token (null at T > 0)",
     "round_cost_steps": "mean speculative round time (draft + verify, prefill excluded) / vanilla's mean decoding "
                         "step in the same run; the method beats vanilla when tau exceeds it",
-    "draft_cost_steps": "the drafting part of round_cost_steps (head catch-up, every depth, tree selection)",
+    "draft_cost_steps": "the drafting part of round_cost_steps (head catch-up, every depth, tree selection; in greedy "
+                        "rounds the catch-up and depth 1 run inside the verification call, so there it is the deeper "
+                        "depths and the tree selection)",
     "mean_tree_tokens": "tokens the target verified per round, the root included",
     "calibration": "T(n): median time to verify n tree tokens (n = 1 is a plain step), from `eaglespec calibrate`",
     "calibration_ratios_by_head": "T(n)/T(1) of the table each head's auto tree was sized with: one T(n) for "

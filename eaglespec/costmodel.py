@@ -153,19 +153,44 @@ def _median_ms(fn, reps: int) -> float:
     return 1e3 * times[len(times) // 2]
 
 
-def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256, progress=None) -> CostTable:
-    """Time verification of n tokens and the two draft calls at a `context`-token prefix.
+def needed_calls(engine, sizes) -> dict[str, list]:
+    """What this engine's tree policies will read, by call: "verify" sizes, "fused" sizes and the "draft"
+    calls. An engine warmed for greedy generations only (Engine.warmup(greedy=True)) sizes its trees by
+    the fused call and never runs the separate verification sizes or catch-up; one warmed for sampling
+    only never runs the fused call. Timing only what is used spares a first run compiling graphs it
+    never calls (each of the target's takes ~80 s to compile here)."""
+    warmed = getattr(engine, "warmed_for", None)
+    fuses = getattr(engine, "fuses_catchup", False) and warmed is not False
+    need = {"verify": [n for n in sizes if n == 1 or not (fuses and warmed)], "fused": [], "draft": []}
+    if engine.head is not None:
+        need["fused"] = [n for n in sizes if n > 1] if fuses else []
+        need["draft"] = ["step"] if (fuses and warmed) else ["first", "step"]
+    return need
+
+
+def covers(table: CostTable, need: dict[str, list]) -> bool:
+    return (all(n in table.verify_ms for n in need["verify"]) and all(n in table.fused_verify_ms for n in need["fused"])
+            and ("first" not in need["draft"] or table.draft_first_ms > 0)
+            and ("step" not in need["draft"] or table.draft_step_ms > 0))
+
+
+def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256, progress=None,
+            need: dict[str, list] | None = None) -> CostTable:
+    """Time verification of n tokens (alone, and with the head's catch-up inside where the engine fuses
+    them) and the two draft calls at a `context`-token prefix; `need` (needed_calls) narrows it to what
+    the engine uses (default: everything it has).
 
     The calls are timed round-robin (every size once per repetition), not one size after another:
     this CPU's speed drifts by tens of percent within minutes (memory bandwidth shared with other
     tenants), and timed in sequence such a drift lands on some sizes only and skews T(n)/T(1)."""
-    calls = {("verify", n): (lambda n=n: engine.time_verify_call(n, context)) for n in sizes}
-    if engine.head is not None:
-        calls[("draft", "first")] = lambda: engine.time_draft_call("first", context)
-        calls[("draft", "step")] = lambda: engine.time_draft_call("step", context)
-        if getattr(engine, "fuses_catchup", False):
-            calls.update({("fused", n): (lambda n=n: engine.time_verify_call(n, context, fused=True))
-                          for n in sizes if n > 1})
+    if need is None:
+        fuses = engine.head is not None and getattr(engine, "fuses_catchup", False)
+        need = {"verify": list(sizes), "fused": [n for n in sizes if n > 1] if fuses else [],
+                "draft": ["first", "step"] if engine.head is not None else []}
+    calls = {("verify", n): (lambda n=n: engine.time_verify_call(n, context)) for n in need["verify"]}
+    calls.update({("draft", which): (lambda which=which: engine.time_draft_call(which, context))
+                  for which in need["draft"]})
+    calls.update({("fused", n): (lambda n=n: engine.time_verify_call(n, context, fused=True)) for n in need["fused"]})
     for name, fn in calls.items():  # compile / warm caches
         if progress:
             progress(f"{name[0]} {name[1]}")
@@ -177,10 +202,9 @@ def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256,
             fn()
             times[name].append(time.perf_counter() - t0)
     ms = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
-    verify_ms = {n: ms[("verify", n)] for n in sizes}
-    fused = {n: ms[("fused", n)] for n in sizes if ("fused", n) in ms}
-    return CostTable(verify_ms, ms.get(("draft", "first"), 0.0), ms.get(("draft", "step"), 0.0),
-                     table_key(engine), context, fused)
+    return CostTable({n: ms[("verify", n)] for n in need["verify"]}, ms.get(("draft", "first"), 0.0),
+                     ms.get(("draft", "step"), 0.0), table_key(engine), context,
+                     {n: ms[("fused", n)] for n in need["fused"]})
 
 
 def load_table(engine) -> CostTable | None:
@@ -212,15 +236,16 @@ def stale_sizes(engine, table: CostTable, sizes, reps: int = 5) -> dict[int, tup
     The key (model, device, dtype, torch, threads, mode) cannot tell a table timed on a loaded machine
     (another job on the cores, a thermal state) from one timed quietly, and such a table skews every
     auto-tree choice: T(1) cached at 115 ms against a live 27 ms step was seen on our CPU. Two timings
-    of a few calls each (well under a second on the default model) catch it."""
+    of a few calls each (well under a second on the default model) catch it. The largest size goes through
+    the call this engine's rounds make (needed_calls): its warm-up compiled that one, and either tells
+    whether the machine is as it was; a size the table lacks is not checked."""
+    need = needed_calls(engine, sizes)
     off = {}
     for n in sorted({min(sizes), max(sizes)}):
-        # the largest size through the call greedy rounds make where the engine fuses and was warmed for them
-        # (a greedy command warms only that call, a sampling one only the other: Engine.warmup); either tells
-        # whether the machine is as it was
-        fused = (n > 1 and getattr(engine, "fuses_catchup", False) and n in table.fused_verify_ms
-                 and getattr(engine, "warmed_for", None) is not False)
-        cached = table.fused_verify_ms[n] if fused else table.verify_ms[n]
+        fused = n in need["fused"] and n in table.fused_verify_ms
+        cached = table.fused_verify_ms[n] if fused else table.verify_ms.get(n)
+        if cached is None:
+            continue
         live = _median_ms(lambda: engine.time_verify_call(n, table.context, fused=fused), reps)
         if abs(live - cached) > STALE_SLACK_MS and max(live / cached, cached / live) > STALE_TOLERANCE:
             off[n] = (cached, live)
@@ -228,27 +253,32 @@ def stale_sizes(engine, table: CostTable, sizes, reps: int = 5) -> dict[int, tup
 
 
 def load_or_measure(engine, sizes, progress=None, log=None) -> CostTable:
-    """The cached table if it covers `sizes` and still matches this machine's live timings, else a fresh
-    measurement of them (then cached). `log` gets a one-line notice when a stale table is replaced."""
+    """The cached table if it covers what this engine reads at `sizes` (needed_calls) and still matches this
+    machine's live timings, else a measurement of what it lacks, or of everything it needs if the machine
+    changed (then cached). `log` gets a one-line notice when a stale table is replaced."""
+    need = needed_calls(engine, sizes)
     table = load_table(engine)
     context = 256 if table is None else table.context
-    if table is not None and all(n in table.verify_ms for n in sizes) and table.draft_first_ms > 0:
+    if table is not None and 1 in table.verify_ms:
         off = stale_sizes(engine, table, sizes)
-        # an engine that fuses the catch-up into verification needs that call timed too (older tables lack it)
-        fused_ok = not getattr(engine, "fuses_catchup", False) or all(
-            n in table.fused_verify_ms for n in sizes if n > 1)
-        if not off and fused_ok:
-            return table
         if off:
             if log:
                 log("cached calibration does not match this machine now (" +
                     ", ".join(f"T({n}) {c:.1f} ms cached, {v:.1f} ms live" for n, (c, v) in off.items()) +
                     "); re-measuring: run `eaglespec calibrate` on a quiet machine for a full table")
             table = None  # its other sizes were timed under the same conditions: drop them too
-    fresh = measure(engine, sizes, reps=7, context=context, progress=progress)
-    if table is not None:  # keep sizes measured earlier (a full `calibrate`)
-        fresh.verify_ms = {**table.verify_ms, **fresh.verify_ms}
-        fresh.fused_verify_ms = {**table.fused_verify_ms, **fresh.fused_verify_ms}
+        elif covers(table, need):
+            return table
+    if table is not None:  # it matches the machine but lacks some calls (say, a greedy run's table, now sampling)
+        need = {"verify": [n for n in need["verify"] if n not in table.verify_ms],
+                "fused": [n for n in need["fused"] if n not in table.fused_verify_ms],
+                "draft": [w for w in need["draft"]
+                          if not (table.draft_first_ms if w == "first" else table.draft_step_ms) > 0]}
+    fresh = measure(engine, sizes, reps=7, context=context, progress=progress, need=need)
+    if table is not None:  # keep what was measured before (a full `calibrate`, or another temperature's run)
+        fresh = CostTable({**table.verify_ms, **fresh.verify_ms}, fresh.draft_first_ms or table.draft_first_ms,
+                          fresh.draft_step_ms or table.draft_step_ms, fresh.key, context,
+                          {**table.fused_verify_ms, **fresh.fused_verify_ms})
     save_table(fresh)
     return fresh
 

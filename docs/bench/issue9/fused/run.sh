@@ -2,7 +2,7 @@
 # The head's catch-up inside the verification call (greedy rounds) against the catch-up as a call of its own,
 # in one interleaved run on the 80 MT-bench first turns at T = 0, 128 tokens, plain decoding the baseline;
 # default head, default (compiled) path. Run it on a quiet machine: it is timed. About 10 minutes here.
-#   bash docs/bench/issue9/fused/run.sh [OUT_DIR]
+#   bash docs/bench/issue9/fused/run.sh [OUT_DIR]        (T1=1: then the same turns at T = 1 too)
 set -euo pipefail
 O=${1:-docs/bench/issue9/fused}
 mkdir -p $O
@@ -10,3 +10,9 @@ mkdir -p $O
 .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle,eagle-unfused --max-new-tokens 128 \
   --temperature 0 --no-progress --json $O/mt80-T0.json --report $O/mt80-T0 > $O/mt80-T0.txt
 .venv/bin/python docs/bench/issue9/fused/summary.py $O/calibrate.json $O/mt80-T0.json | tee $O/summary.txt
+# T = 1 (sampled drafts; rounds keep the separate catch-up): the same turns, to check that nothing moved there
+if [ "${T1:-0}" = 1 ]; then
+  .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 \
+    --temperature 1 --no-progress --json $O/mt80-T1.json --report $O/mt80-T1 > $O/mt80-T1.txt
+  .venv/bin/python docs/bench/issue9/fused/summary.py $O/calibrate.json $O/mt80-T1.json | tail -3 | tee -a $O/summary.txt
+fi

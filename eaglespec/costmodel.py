@@ -52,10 +52,6 @@ class CostTable:
         """Drafting `depth` levels; fused: depth 1 came with the last verification, so only deeper ones cost."""
         return (0.0 if fused else self.draft_first_ms) + max(0, depth - 1) * self.draft_step_ms
 
-    def fused_extra(self) -> dict[int, float]:
-        """n -> what the fused call costs beyond verification alone (ms)."""
-        return {n: t - self.t_verify(n) for n, t in sorted(self.fused_verify_ms.items())}
-
     def ratios(self) -> dict[int, float]:
         base = self.verify_ms.get(1) or self.t_verify(1)
         return {n: t / base for n, t in sorted(self.verify_ms.items())}
@@ -153,18 +149,17 @@ def _median_ms(fn, reps: int) -> float:
     return 1e3 * times[len(times) // 2]
 
 
-def needed_calls(engine, sizes) -> dict[str, list]:
-    """What this engine's tree policies will read, by call: "verify" sizes, "fused" sizes and the "draft"
-    calls. An engine warmed for greedy generations only (Engine.warmup(greedy=True)) sizes its trees by
-    the fused call and never runs the separate verification sizes or catch-up; one warmed for sampling
-    only never runs the fused call. Timing only what is used spares a first run compiling graphs it
-    never calls (each of the target's takes ~80 s to compile here)."""
-    warmed = getattr(engine, "warmed_for", None)
-    fuses = getattr(engine, "fuses_catchup", False) and warmed is not False
-    need = {"verify": [n for n in sizes if n == 1 or not (fuses and warmed)], "fused": [], "draft": []}
+def needed_calls(engine, sizes, greedy: bool | None) -> dict[str, list]:
+    """What the tree policies of generations at this temperature read (greedy True / False; None: both), by
+    call: "verify" sizes, "fused" sizes and the "draft" calls (Engine.calls_for). Greedy rounds of an engine
+    that fuses the catch-up are sized by the fused call and never run the separate verification sizes or
+    catch-up; sampling never runs the fused call. Timing only what is used spares a first run compiling
+    graphs it never calls (each of the target's takes ~80 s to compile here)."""
+    separate, fused = engine.calls_for(greedy)
+    need = {"verify": [n for n in sizes if n == 1 or separate], "fused": [], "draft": []}
     if engine.head is not None:
-        need["fused"] = [n for n in sizes if n > 1] if fuses else []
-        need["draft"] = ["step"] if (fuses and warmed) else ["first", "step"]
+        need["fused"] = [n for n in sizes if n > 1] if fused else []
+        need["draft"] = ["first", "step"] if separate else ["step"]
     return need
 
 
@@ -178,15 +173,13 @@ def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256,
             need: dict[str, list] | None = None) -> CostTable:
     """Time verification of n tokens (alone, and with the head's catch-up inside where the engine fuses
     them) and the two draft calls at a `context`-token prefix; `need` (needed_calls) narrows it to what
-    the engine uses (default: everything it has).
+    the engine uses (default: what generations at either temperature use).
 
     The calls are timed round-robin (every size once per repetition), not one size after another:
     this CPU's speed drifts by tens of percent within minutes (memory bandwidth shared with other
     tenants), and timed in sequence such a drift lands on some sizes only and skews T(n)/T(1)."""
     if need is None:
-        fuses = engine.head is not None and getattr(engine, "fuses_catchup", False)
-        need = {"verify": list(sizes), "fused": [n for n in sizes if n > 1] if fuses else [],
-                "draft": ["first", "step"] if engine.head is not None else []}
+        need = needed_calls(engine, sizes, None)
     calls = {("verify", n): (lambda n=n: engine.time_verify_call(n, context)) for n in need["verify"]}
     calls.update({("draft", which): (lambda which=which: engine.time_draft_call(which, context))
                   for which in need["draft"]})
@@ -239,7 +232,7 @@ def stale_sizes(engine, table: CostTable, sizes, reps: int = 5) -> dict[int, tup
     of a few calls each (well under a second on the default model) catch it. The largest size goes through
     the call this engine's rounds make (needed_calls): its warm-up compiled that one, and either tells
     whether the machine is as it was; a size the table lacks is not checked."""
-    need = needed_calls(engine, sizes)
+    need = needed_calls(engine, sizes, engine.warmed_for)
     off = {}
     for n in sorted({min(sizes), max(sizes)}):
         fused = n in need["fused"] and n in table.fused_verify_ms
@@ -256,7 +249,7 @@ def load_or_measure(engine, sizes, progress=None, log=None) -> CostTable:
     """The cached table if it covers what this engine reads at `sizes` (needed_calls) and still matches this
     machine's live timings, else a measurement of what it lacks, or of everything it needs if the machine
     changed (then cached). `log` gets a one-line notice when a stale table is replaced."""
-    need = needed_calls(engine, sizes)
+    need = needed_calls(engine, sizes, engine.warmed_for)
     table = load_table(engine)
     context = 256 if table is None else table.context
     if table is not None and 1 in table.verify_ms:

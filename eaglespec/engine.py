@@ -420,6 +420,12 @@ class Engine:
         """Whether greedy rounds run the head's catch-up inside the verification call."""
         return self.fuse_catchup and self._fused_call is not None
 
+    def calls_for(self, greedy: bool | None) -> tuple[bool, bool]:
+        """(the separate verification sizes and catch-up, the fused verification): which of the two ways of
+        verifying generations make at this temperature (greedy True / False; None: both temperatures)."""
+        fused = self.fuses_catchup and greedy is not False
+        return not (fused and greedy), fused
+
     # ---- decoding --------------------------------------------------------------------------------
 
     def _round_slack(self) -> int:
@@ -776,13 +782,13 @@ class Engine:
         compiles then."""
         self.warmed_for = greedy
         shapes = self.shapes()
-        fused = shapes["fused"] if greedy is not False else []
-        steps = [("verify", n) for n in shapes["verify"] if n == 1 or not (greedy and fused)]
+        separate, fused = self.calls_for(greedy)
+        steps = [("verify", n) for n in shapes["verify"] if n == 1 or separate]
         if self.head is not None:
-            if not (greedy and fused):
+            if separate:
                 steps += [("catch-up", shapes["catch-up"][0])]
             steps += [("frontier", f) for f in shapes["frontier"]]
-            steps += [("verify+catch-up", n) for n in fused]
+            steps += [("verify+catch-up", n) for n in (shapes["fused"] if fused else [])]
         for i, (kind, n) in enumerate(steps):
             if progress:
                 progress(i, len(steps), f"{kind} {n}")
@@ -809,10 +815,10 @@ class Engine:
         pos = context + torch.arange(n, device=dev)
         mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril(context)
         if fused:
-            out = self._fused_call(toks[None], pos[None], cache_start=context, t=n, mask=mask)
-            out[1].tolist()
-            return
-        self._verify_forward(toks, pos, context, mask)[2].tolist()
+            amax = self._fused_call(toks[None], pos[None], cache_start=context, t=n, mask=mask)[1]
+        else:
+            amax = self._verify_forward(toks, pos, context, mask)[2]
+        amax.tolist()
 
     @torch.inference_mode()
     def time_draft_call(self, which: str, context: int, frontier: int | None = None) -> None:

@@ -39,17 +39,20 @@ def parse_sizes(text: str | None) -> tuple[int, ...]:
 
 def format_table(table) -> str:
     base = table.t_verify(1)
-    fused = table.fused_verify_ms
-    lines = ["   n   T(n) ms   T(n)/T(1)" + ("   with catch-up ms   /T(1)" if fused else "")]
+    fused, sampled = table.fused_verify_ms, table.sampled_fused_ms
+    lines = ["   n   T(n) ms   T(n)/T(1)" + ("   with catch-up ms   /T(1)" if fused else "")
+             + ("   sampled, with catch-up ms   /T(1)" if sampled else "")]
     lines += [f"{n:>4} {ms:>9.2f} {ms / base:>11.2f}"
-              + (f" {fused[n]:>18.2f} {fused[n] / base:>7.2f}" if n in fused else "")
+              + (f" {fused[n]:>18.2f} {fused[n] / base:>7.2f}" if n in fused else " " * 26 if fused else "")
+              + (f" {sampled[n]:>27.2f} {sampled[n] / base:>7.2f}" if n in sampled else "")
               for n, ms in sorted(table.verify_ms.items())]
     if table.draft_first_ms:
         lines.append(f"draft: catch-up + depth 1 {table.draft_first_ms:.2f} ms ({table.draft_first_ms / base:.2f} steps), "
                      f"each further depth {table.draft_step_ms:.2f} ms ({table.draft_step_ms / base:.2f} steps)")
     key = table.key
-    if fused:
-        lines.append("with catch-up: greedy rounds verify with the head's catch-up and depth 1 in the same call")
+    if fused or sampled:
+        lines.append("with catch-up: rounds verify with the head's catch-up and depth 1 in the same call (sampled: "
+                     "and the rejection sampling)")
     lines.append(f"({key.get('device')} {key.get('dtype')}, {key.get('mode')}, torch {key.get('torch')}, "
                  f"{key.get('threads')} threads, {key.get('gemm', 'torch')} GEMM)")
     return "\n".join(lines)

@@ -39,10 +39,15 @@ class CostTable:
     # n tokens verified with the head's catch-up and depth 1 inside the same call (greedy rounds, engine's
     # fused verification) -> ms; empty in tables from before it, or without a head
     fused_verify_ms: dict[int, float] = field(default_factory=dict)
+    # the same for sampled rounds, whose call also runs the rejection sampling (Engine._fused_sampled_fn)
+    sampled_fused_ms: dict[int, float] = field(default_factory=dict)
 
-    def t_verify(self, n: int, fused: bool = False) -> float:
-        """Verifying n tokens; fused: with the head's catch-up and depth 1 in the same call."""
+    def t_verify(self, n: int, fused: bool = False, sampled: bool = False) -> float:
+        """Verifying n tokens; fused: with the head's catch-up and depth 1 in the same call (sampled: the sampled
+        rounds' call, which also runs the rejection sampling; the greedy one's time where it was not timed)."""
         if fused:
+            if sampled and self.sampled_fused_ms:
+                return _interpolate(self.sampled_fused_ms, n)
             if self.fused_verify_ms:
                 return _interpolate(self.fused_verify_ms, n)
             return _interpolate(self.verify_ms, n) + self.draft_first_ms  # not measured: the two calls' sum
@@ -61,13 +66,15 @@ class CostTable:
         d["verify_ms"] = {str(k): v for k, v in self.verify_ms.items()}
         d["ratios"] = {str(k): round(v, 3) for k, v in self.ratios().items()}
         d["fused_verify_ms"] = {str(k): v for k, v in self.fused_verify_ms.items()}
+        d["sampled_fused_ms"] = {str(k): v for k, v in self.sampled_fused_ms.items()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "CostTable":
         return cls({int(k): float(v) for k, v in d["verify_ms"].items()}, float(d["draft_first_ms"]),
                    float(d["draft_step_ms"]), d.get("key", {}), int(d.get("context", 256)),
-                   {int(k): float(v) for k, v in d.get("fused_verify_ms", {}).items()})
+                   {int(k): float(v) for k, v in d.get("fused_verify_ms", {}).items()},
+                   {int(k): float(v) for k, v in d.get("sampled_fused_ms", {}).items()})
 
 
 def _interpolate(table: dict[int, float], n: int) -> float:
@@ -149,22 +156,32 @@ def _median_ms(fn, reps: int) -> float:
     return 1e3 * times[len(times) // 2]
 
 
+# the fused calls a table times, by needed_calls' key -> (CostTable field, time_verify_call's `sampled`)
+FUSED_CALLS = {"fused": ("fused_verify_ms", False), "sampled-fused": ("sampled_fused_ms", True)}
+
+
 def needed_calls(engine, sizes, greedy: bool | None) -> dict[str, list]:
     """What the tree policies of generations at this temperature read (greedy True / False; None: both), by
-    call: "verify" sizes, "fused" sizes and the "draft" calls (Engine.calls_for). Greedy rounds of an engine
-    that fuses the catch-up are sized by the fused call and never run the separate verification sizes or
-    catch-up; sampling never runs the fused call. Timing only what is used spares a first run compiling
-    graphs it never calls (each of the target's takes ~80 s to compile here)."""
-    separate, fused = engine.calls_for(greedy)
-    need = {"verify": [n for n in sizes if n == 1 or separate], "fused": [], "draft": []}
+    call: "verify" sizes, "fused" and "sampled-fused" sizes and the "draft" calls (Engine.calls_for). Rounds
+    of an engine that fuses the catch-up are sized by their fused call and never run the separate
+    verification sizes or catch-up. Timing only what is used spares a first run compiling graphs it never
+    calls (each of the target's takes ~80 s to compile here)."""
+    separate, fused, sampled = engine.calls_for(greedy)
+    need = {"verify": [n for n in sizes if n == 1 or separate], "fused": [], "sampled-fused": [], "draft": []}
     if engine.head is not None:
         need["fused"] = [n for n in sizes if n > 1] if fused else []
+        need["sampled-fused"] = [n for n in sizes if n > 1] if sampled else []
         need["draft"] = ["first", "step"] if separate else ["step"]
     return need
 
 
+def _fused_ms(table: CostTable, call: str) -> dict[int, float]:
+    return getattr(table, FUSED_CALLS[call][0])
+
+
 def covers(table: CostTable, need: dict[str, list]) -> bool:
-    return (all(n in table.verify_ms for n in need["verify"]) and all(n in table.fused_verify_ms for n in need["fused"])
+    return (all(n in table.verify_ms for n in need["verify"])
+            and all(n in _fused_ms(table, c) for c in FUSED_CALLS for n in need.get(c, []))
             and ("first" not in need["draft"] or table.draft_first_ms > 0)
             and ("step" not in need["draft"] or table.draft_step_ms > 0))
 
@@ -183,7 +200,10 @@ def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256,
     calls = {("verify", n): (lambda n=n: engine.time_verify_call(n, context)) for n in need["verify"]}
     calls.update({("draft", which): (lambda which=which: engine.time_draft_call(which, context))
                   for which in need["draft"]})
-    calls.update({("fused", n): (lambda n=n: engine.time_verify_call(n, context, fused=True)) for n in need["fused"]})
+    for c, (_, sampled) in FUSED_CALLS.items():
+        calls.update({(c, n): (lambda n=n, sampled=sampled: engine.time_verify_call(n, context, fused=True,
+                                                                                     sampled=sampled))
+                      for n in need.get(c, [])})
     for name, fn in calls.items():  # compile / warm caches
         if progress:
             progress(f"{name[0]} {name[1]}")
@@ -197,7 +217,8 @@ def measure(engine, sizes=CALIBRATION_SIZES, reps: int = 15, context: int = 256,
     ms = {name: 1e3 * sorted(t)[len(t) // 2] for name, t in times.items()}
     return CostTable({n: ms[("verify", n)] for n in need["verify"]}, ms.get(("draft", "first"), 0.0),
                      ms.get(("draft", "step"), 0.0), table_key(engine), context,
-                     {n: ms[("fused", n)] for n in need["fused"]})
+                     {n: ms[("fused", n)] for n in need.get("fused", [])},
+                     {n: ms[("sampled-fused", n)] for n in need.get("sampled-fused", [])})
 
 
 def load_table(engine) -> CostTable | None:
@@ -235,11 +256,12 @@ def stale_sizes(engine, table: CostTable, sizes, reps: int = 5) -> dict[int, tup
     need = needed_calls(engine, sizes, engine.warmed_for)
     off = {}
     for n in sorted({min(sizes), max(sizes)}):
-        fused = n in need["fused"] and n in table.fused_verify_ms
-        cached = table.fused_verify_ms[n] if fused else table.verify_ms.get(n)
+        call = next((c for c in FUSED_CALLS if n in need[c] and n in _fused_ms(table, c)), None)
+        cached = _fused_ms(table, call)[n] if call else table.verify_ms.get(n)
         if cached is None:
             continue
-        live = _median_ms(lambda: engine.time_verify_call(n, table.context, fused=fused), reps)
+        live = _median_ms(lambda: engine.time_verify_call(n, table.context, fused=call is not None,
+                                                          sampled=call == "sampled-fused"), reps)
         if abs(live - cached) > STALE_SLACK_MS and max(live / cached, cached / live) > STALE_TOLERANCE:
             off[n] = (cached, live)
     return off
@@ -264,14 +286,15 @@ def load_or_measure(engine, sizes, progress=None, log=None) -> CostTable:
             return table
     if table is not None:  # it matches the machine but lacks some calls (say, a greedy run's table, now sampling)
         need = {"verify": [n for n in need["verify"] if n not in table.verify_ms],
-                "fused": [n for n in need["fused"] if n not in table.fused_verify_ms],
+                **{c: [n for n in need[c] if n not in _fused_ms(table, c)] for c in FUSED_CALLS},
                 "draft": [w for w in need["draft"]
                           if not (table.draft_first_ms if w == "first" else table.draft_step_ms) > 0]}
     fresh = measure(engine, sizes, reps=7, context=context, progress=progress, need=need)
     if table is not None:  # keep what was measured before (a full `calibrate`, or another temperature's run)
         fresh = CostTable({**table.verify_ms, **fresh.verify_ms}, fresh.draft_first_ms or table.draft_first_ms,
                           fresh.draft_step_ms or table.draft_step_ms, fresh.key, context,
-                          {**table.fused_verify_ms, **fresh.fused_verify_ms})
+                          {**table.fused_verify_ms, **fresh.fused_verify_ms},
+                          {**table.sampled_fused_ms, **fresh.sampled_fused_ms})
     save_table(fresh)
     return fresh
 
@@ -282,11 +305,11 @@ class TreePolicy:
     """Chooses each round's draft depth (before drafting) and verified size (after drafting)."""
 
     def __init__(self, table: CostTable, buckets: tuple[int, ...], max_depth: int, ema: float = 0.05,
-                 fused: bool = False):
-        """fused: rounds verify with the head's catch-up and depth 1 in the same call (greedy rounds of an
-        engine that fuses them), so depth 1 costs no drafting and each size costs the fused call."""
+                 fused: bool = False, sampled: bool = False):
+        """fused: rounds verify with the head's catch-up and depth 1 in the same call, so depth 1 costs no
+        drafting and each size costs the fused call (sampled: the sampled rounds' one)."""
         self.table, self.buckets, self.max_depth, self.ema = table, tuple(sorted(buckets)), max_depth, ema
-        self.fused = fused
+        self.fused, self.sampled = fused, sampled
         # per depth: observed and predicted chance that the accepted path reaches it (calibration);
         # a prior of a few pseudo-rounds at factor 1 keeps early rounds sane
         self.obs = [1.0] * (max_depth + 1)
@@ -325,7 +348,7 @@ class TreePolicy:
     def _best(self, cum: list[float], t_draft: float) -> tuple[float, int]:
         """(rate, n) of the best bucket that this many candidates can fill."""
         fits = [b for b in self.buckets if b - 1 < len(cum)] or [self.buckets[0]]
-        return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.table.t_verify(b, self.fused)), -b) for b in fits)
+        return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.table.t_verify(b, self.fused, self.sampled)), -b) for b in fits)
 
     def choose(self, scores: list[float], depths: list[int], drafted: int,
                free=frozenset()) -> tuple[int, list[int]]:

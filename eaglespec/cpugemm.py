@@ -58,6 +58,7 @@ _SOURCE = r"""
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -984,6 +985,108 @@ at::Tensor small_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   });
   return out;
 }
+// ---- rejection sampling of a draft tree's nodes (eaglespec/verify.py tree_draws, the reference) --------------
+// One row per tree node: its children are tried in order, child c taken with min(1, p(c) / q(c)); a rejection
+// leaves p's residual normalise(max(0, p - q)) and removes c from q; if none is taken, the node's token is drawn
+// from what is left of p. Why a kernel: as tensor operations every trial is several passes over the whole
+// vocabulary for every node, inside the verification graph (~1-2 ms a round on the default model); here a
+// node without children costs one draw, and a trial touches p only where it is rejected.
+
+double sum_range(const float* p, int64_t a, int64_t b) {
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  int64_t i = a;
+  for (; i + 4 <= b; i += 4) { s0 += p[i]; s1 += p[i + 1]; s2 += p[i + 2]; s3 += p[i + 3]; }
+  for (; i < b; ++i) s0 += p[i];
+  return (s0 + s1) + (s2 + s3);
+}
+
+// The first index whose cumulative mass exceeds u times the total (float64 sums, by blocks of 1,024 and then
+// within the block), as `sampling.sample`; never a token of probability 0.
+int64_t draw_index(const float* p, int64_t V, double u, std::vector<double>& blocks) {
+  constexpr int64_t B = 1024;
+  int64_t nb = (V + B - 1) / B;
+  blocks.resize(nb);
+  double total = 0;
+  for (int64_t b = 0; b < nb; ++b) { blocks[b] = sum_range(p, b * B, std::min(V, (b + 1) * B)); total += blocks[b]; }
+  double target = u * total, acc = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (acc + blocks[b] <= target) { acc += blocks[b]; continue; }
+    for (int64_t i = b * B, e = std::min(V, (b + 1) * B); i < e; ++i) {
+      acc += p[i];
+      if (acc > target) return i;
+    }
+  }
+  for (int64_t i = V - 1; i >= 0; --i)  // u rounded up to the total: the last token with any mass
+    if (p[i] > 0) return i;
+  return V - 1;
+}
+
+at::Tensor tree_draws(const at::Tensor& p, const at::Tensor& q, const at::Tensor& draft_ids, const at::Tensor& draft_of,
+                      const at::Tensor& kids, const at::Tensor& kid_ok, const at::Tensor& u) {
+  TORCH_CHECK(p.dim() == 2 && q.dim() == 2 && kids.dim() == 2 && u.dim() == 2, "tree_draws: 2-D inputs");
+  TORCH_CHECK(p.scalar_type() == at::kFloat && q.scalar_type() == at::kFloat && u.scalar_type() == at::kDouble &&
+              kids.scalar_type() == at::kLong && kid_ok.scalar_type() == at::kBool, "tree_draws: dtypes");
+  int64_t n = p.size(0), V = p.size(1), Vq = q.size(1), K = kids.size(1);
+  bool reduced = draft_ids.numel() > 0;
+  TORCH_CHECK(q.size(0) == n && kids.size(0) == n && kid_ok.sizes() == kids.sizes() && u.size(0) == n &&
+              u.size(1) == K + 1 && (reduced ? draft_ids.numel() == Vq && draft_of.numel() == V : Vq == V),
+              "tree_draws: shapes");
+  auto pc = p.contiguous(), qc = q.contiguous(), kc = kids.contiguous(), oc = kid_ok.contiguous(), uc = u.contiguous();
+  auto ic = draft_ids.contiguous(), fc = draft_of.contiguous();
+  const float *pp = pc.data_ptr<float>(), *qp = qc.data_ptr<float>();
+  const int64_t *kp = kc.data_ptr<int64_t>(), *ids = reduced ? ic.data_ptr<int64_t>() : nullptr,
+                *of = reduced ? fc.data_ptr<int64_t>() : nullptr;
+  const bool* okp = oc.data_ptr<bool>();
+  const double* up = uc.data_ptr<double>();
+  auto out = at::empty({n}, kids.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  std::atomic<bool> bad{false};
+  at::parallel_for(0, n, 1, [&](int64_t a, int64_t z) {
+    std::vector<float> pw, qw;
+    std::vector<double> blocks;
+    for (int64_t j = a; j < z; ++j) {
+      const float* P = pp + j * V;  // the input row until a rejection changes it
+      const int64_t* kr = kp + j * K;
+      const bool* okr = okp + j * K;
+      const double* ur = up + j * (K + 1);
+      int64_t result = -1;
+      bool any = false;
+      for (int64_t r = 0; r < K; ++r) any = any || okr[r];
+      if (any) {
+        qw.assign(qp + j * Vq, qp + (j + 1) * Vq);
+        double qs = sum_range(qw.data(), 0, Vq);
+        for (auto& x : qw) x = qs > 0 ? (float)(x / qs) : 0.f;
+        for (int64_t r = 0; r < K; ++r) {
+          if (!okr[r]) continue;
+          int64_t c = kr[r], ci = reduced ? of[c] : c;
+          float pt = P[c], qt = ci >= 0 ? qw[ci] : 0.f;
+          if (!(qt > 0)) { bad = true; break; }  // a token the head could not have drawn: the caller's error
+          if (ur[r] * qt < pt) { result = c; break; }
+          if (P != pw.data()) { pw.assign(P, P + V); P = pw.data(); }
+          double old_part = 0, new_part = 0;
+          for (int64_t i = 0; i < Vq; ++i) {
+            float x = pw[reduced ? ids[i] : i];
+            old_part += x;
+            new_part += std::max(x - qw[i], 0.f);
+          }
+          double total = sum_range(pw.data(), 0, V) - old_part + new_part;
+          if (!(total > 0)) break;  // p == q up to rounding: draw from p as it stands
+          float inv = (float)(1.0 / total);
+          for (int64_t i = 0; i < Vq; ++i) { float& x = pw[reduced ? ids[i] : i]; x = std::max(x - qw[i], 0.f); }
+          for (int64_t i = 0; i < V; ++i) pw[i] *= inv;
+          qw[ci] = 0.f;
+          double rest = sum_range(qw.data(), 0, Vq);
+          if (!(rest > 0)) break;  // every token the head could draw was tried
+          float qinv = (float)(1.0 / rest);
+          for (auto& x : qw) x *= qinv;
+        }
+      }
+      op[j] = result >= 0 ? result : draw_index(P, V, ur[K], blocks);
+    }
+  });
+  TORCH_CHECK(!bad, "tree_draws: a drafted token has no draft probability");
+  return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(eaglespec, m) {
@@ -994,6 +1097,7 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("small_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("quant_mm(Tensor x, Tensor packed, int n, int kind) -> Tensor");
   m.def("quant_mm8(Tensor x, Tensor packed, Tensor panels, int n, int kind, int max_rows) -> Tensor");
+  m.def("tree_draws(Tensor p, Tensor q, Tensor draft_ids, Tensor draft_of, Tensor kids, Tensor kid_ok, Tensor u) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("packed_pack", pack);
@@ -1001,6 +1105,7 @@ TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
   m.impl("small_attention", small_attention);
   m.impl("quant_mm", quant_mm);
   m.impl("quant_mm8", quant_mm8);
+  m.impl("tree_draws", tree_draws);
 }
 """
 
@@ -1073,6 +1178,10 @@ def _load() -> str | None:
     @torch.library.register_fake("eaglespec::quant_mm8")
     def _(x, packed, panels, n, kind, max_rows):
         return x.new_empty((*x.shape[:-1], n))
+
+    @torch.library.register_fake("eaglespec::tree_draws")
+    def _(p, q, draft_ids, draft_of, kids, kid_ok, u):
+        return kids.new_empty(kids.shape[:1])
 
     return None
 

@@ -25,7 +25,7 @@ from .compiled import StaticCall, compile_fn, configure_inductor, default_mode
 from .costmodel import AUTO_BUCKETS, RankAcceptance, SpecSwitch, TreePolicy
 from .stopping import Stopper, stream_delta
 from .tree import Drafter, HostCandidates, Tree, TreeConfig, top_by_score, tree_from_host
-from .verify import greedy_accept, verify, verify_sampled
+from .verify import greedy_accept, tree_draws, trials_from_draws, verify, verify_sampled
 
 METHODS = ("eagle", "vanilla")
 REPO_HEADS = Path(__file__).resolve().parent.parent / "heads"
@@ -264,6 +264,16 @@ class Engine:
         self.fuse_catchup = True
         self._fused_call = StaticCall(self._fused_fn, model, mode, "verify+catch-up", packed, dynamic_t=packed,
                                       skip_guards=True, state=top_k) if head is not None else None
+        # the rejection sampling inside the sampled call: cpugemm's kernel where it is built (CPU), else tensor ops
+        self._draws_kernel = self.packed_gemm
+        self._no_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._draft_of = self._no_ids
+        if self._draft_ids is not None:  # target id -> draft-vocabulary index, -1 outside it
+            self._draft_of = torch.full((w.shape[0],), -1, dtype=torch.long, device=self.device)
+            self._draft_of[self._draft_ids] = torch.arange(self._draft_ids.numel(), device=self.device)
+        self._fused_sampled_call = StaticCall(self._fused_sampled_fn, model, mode, "verify+catch-up, sampled", packed,
+                                              dynamic_t=packed, skip_guards=True, state=top_k) \
+            if head is not None else None
         self._move_both = (compile_fn(self._move_both_fn, mode, packed) if mode is not None
                            else self._move_both_fn) if head is not None else None
         self._cost_table = cost_table
@@ -370,7 +380,10 @@ class Engine:
         0 and multiplying by 1 change no value). noise Gumbel, mix [0, 1/T, s_0..s_k-1]: a sample without
         replacement from the rows at temperature T (the Gumbel-top-k trick), scored by position alone (s_r:
         RankAcceptance), so that which nodes are kept never depends on what was drawn."""
-        lq = self._draft_logprobs(hidden, mix[1])
+        return self._children_of(self._draft_logprobs(hidden, mix[1]), noise, mix)
+
+    def _children_of(self, lq: torch.Tensor, noise: torch.Tensor, mix: torch.Tensor):
+        """_children from the rows' log-probabilities at the draft temperature."""
         ids = (lq + noise).topk(self.tree.draft_top_k, dim=-1).indices
         return lq.gather(-1, ids) * mix[0] + mix[2:], self._to_target_ids(ids), lq
 
@@ -408,6 +421,28 @@ class Engine:
         top = self._draft_logprobs(out).topk(self.tree.draft_top_k, dim=-1)
         return feats[0], amax, out, top.values, self._to_target_ids(top.indices)
 
+    def _fused_sampled_fn(self, tokens, positions, temperature, q_logp, kids, kid_ok, u, *, slots, mask):
+        """A sampled round's verification with the head's catch-up and depth 1 in the same call (sampled drafts,
+        T > 0, no top-k / top-p filter): as _fused_fn, with the argmax replaced by each node's draw under
+        verify_sampled's rule (tree_draws: the token that follows the node if it is accepted, from the target's
+        distribution; a child is accepted exactly when it is its parent's draw). The rejection sampling runs here
+        on uniforms the caller drew, so the head can be fed (feature, next token) before the host knows the
+        path. Returns the target's features, every node's draw, the head's output and its log-probabilities at
+        the draft temperature (the next round draws its children from the last accepted node's row)."""
+        feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
+        p = torch.softmax(logits[0].float() / temperature[0, :, None], dim=-1)  # target_probs, no filter
+        q = q_logp[0].float().exp()
+        if self._draws_kernel:
+            ids = self._draft_ids if self._draft_ids is not None else self._no_ids
+            draws = torch.ops.eaglespec.tree_draws(p, q, ids, self._draft_of, kids[0], kid_ok[0], u[0])
+        else:
+            if self._draft_ids is not None:
+                q = torch.zeros(q.shape[0], p.shape[-1], device=q.device).index_copy(1, self._draft_ids, q)
+            draws = tree_draws(p, q, kids[0], kid_ok[0], u[0])
+        out = self.head.first(self.model.embed_tokens(draws[None]), feats, positions, mask=mask, cache_start=slots)[0]
+        lq = self._draft_logprobs(out, 1.0 / temperature[0, :, None])
+        return feats[0], draws, out, lq
+
     def _move_fn(self, src, dst):
         self.model.cache.move_slots(src, dst)
 
@@ -420,11 +455,22 @@ class Engine:
         """Whether greedy rounds run the head's catch-up inside the verification call."""
         return self.fuse_catchup and self._fused_call is not None
 
-    def calls_for(self, greedy: bool | None) -> tuple[bool, bool]:
-        """(the separate verification sizes and catch-up, the fused verification): which of the two ways of
-        verifying generations make at this temperature (greedy True / False; None: both temperatures)."""
+    def fuses_sampling(self, params: SamplingParams) -> bool:
+        """Whether sampled rounds with these parameters run the rejection sampling and the head's catch-up inside
+        the verification call: sampled drafts, and no top-k / top-p filter (the graph draws from the tempered
+        distribution only; a filtered one keeps the separate calls)."""
+        return (self.fuses_catchup and self.draft_sampling and not params.greedy and params.top_p >= 1
+                and not params.top_k)
+
+    def calls_for(self, greedy: bool | None) -> tuple[bool, bool, bool]:
+        """(the separate verification sizes and catch-up, the greedy fused verification, the sampled one): which
+        ways of verifying generations make at this temperature (greedy True / False; None: both). At T > 0 with
+        a top-k / top-p filter, or with top-k drafts, rounds take the separate calls (fuses_sampling); those
+        are counted in only for None."""
         fused = self.fuses_catchup and greedy is not False
-        return not (fused and greedy), fused
+        sampled = self.fuses_catchup and self.draft_sampling and greedy is not True
+        separate = greedy is None or not (fused if greedy else sampled)
+        return separate, fused, sampled
 
     # ---- decoding --------------------------------------------------------------------------------
 
@@ -549,6 +595,24 @@ class Engine:
             ranks.append(rank)
         return rows, ranks
 
+    def _tree_draw_inputs(self, cands, tree: Tree, rows: list[int], ranks: list[int], params: SamplingParams,
+                          gen: torch.Generator):
+        """_fused_sampled_fn's inputs past the tree: per node, the temperature, the draft distribution its children
+        were drawn from (q_logp's row), their tokens in the order tried (their rank) and which exist, and fresh
+        uniforms from the generation's generator for the trials and the final draw (tree_draws)."""
+        n, k, dev = len(tree), self.tree.draft_top_k, self.device
+        tokens = tree.host_lists()[0]
+        kid_tok, kid_ok, q_row = [[0] * k for _ in range(n)], [[False] * k for _ in range(n)], [0] * n
+        for j, kids in enumerate(tree.children()):
+            for c in kids:  # siblings were drawn without replacement: distinct ranks below k
+                kid_tok[j][ranks[c]], kid_ok[j][ranks[c]] = tokens[c], True
+            if kids:
+                q_row[j] = rows[kids[0]]
+        q = cands.q_logp.index_select(0, torch.tensor(q_row, device=dev))
+        u = torch.rand(1, n, k + 1, generator=gen, dtype=torch.float64, device=dev)
+        return (torch.full((1, n), params.temperature, device=dev), q[None], torch.tensor([kid_tok], device=dev),
+                torch.tensor([kid_ok], device=dev), u)
+
     def _learn(self, path: list[int], policy: TreePolicy | None) -> None:
         """After verification: calibrate the tree policy on the head's nodes and the n-gram proposer on
         the chain's own. path: the accepted tree nodes, root first (tree node j > 0 is candidate keep[j - 1])."""
@@ -599,7 +663,8 @@ class Engine:
             return None
         key = (sampled, fused)
         if key not in self._policies:
-            self._policies[key] = TreePolicy(self._table(), self.auto_buckets(), self.tree.max_depth, fused=fused)
+            self._policies[key] = TreePolicy(self._table(), self.auto_buckets(), self.tree.max_depth, fused=fused,
+                                             sampled=sampled)
         if not sampled:
             self.policy = self._policies[key]
         return self._policies[key]
@@ -642,8 +707,10 @@ class Engine:
         dev = self.device
         sampled = self._get_sampled(params, gen)
         inputs = self._draw_inputs(sampled)
-        # greedy: the argmax a node's head input needs is known inside the verification (_fused_fn)
-        fused = params.greedy and self.fuses_catchup
+        # greedy: the argmax a node's head input needs is known inside the verification (_fused_fn); sampled
+        # drafts: so is the node's draw, where the rejection sampling runs inside it too (_fused_sampled_fn)
+        fused_sampled = sampled is not None and self.fuses_sampling(params)
+        fused = (params.greedy and self.fuses_catchup) or fused_sampled
         policy = self._get_policy(sampled is not None, fused)
         drafter = Drafter(self._expand_call, self.tree)
         # the n-gram chain's tokens are not drawn from the head: verify_sampled has no rule for them
@@ -694,22 +761,32 @@ class Engine:
             _sync(dev)
             t1 = time.perf_counter()
             n = len(tree)
-            if fused:
+            mask = tree.ancestor_mask()
+            if fused_sampled:
+                rows, ranks = self._sampled_rows(cands, tree)
+                f, draws, h_out, h_lq = self._fused_sampled_call(
+                    tree.tokens[None], (cur + tree.depths)[None],
+                    *self._tree_draw_inputs(cands, tree, rows, ranks, params, gen), cache_start=cur, t=n, mask=mask)
+                draws = draws.tolist()  # the round's one read: every node's next token, drawn by verify_sampled's rule
+                path, bonus, new = greedy_accept(tree, draws)
+                sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks))
+            elif fused:
                 f, amax, h_out, h_scores, h_ids = self._fused_call(
-                    tree.tokens[None], (cur + tree.depths)[None], cache_start=cur, t=n, mask=tree.ancestor_mask())
-            else:
-                f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, tree.ancestor_mask())
-            if params.greedy:
+                    tree.tokens[None], (cur + tree.depths)[None], cache_start=cur, t=n, mask=mask)
                 path, bonus, new = greedy_accept(tree, amax)
             else:
-                if sampled is None:
-                    path, bonus = verify(tree, lg, params, gen)
+                f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
+                if params.greedy:
+                    path, bonus, new = greedy_accept(tree, amax)
                 else:
-                    path, bonus, trials = verify_sampled(tree, lg, params, gen, cands.q_logp,
-                                                         *self._sampled_rows(cands, tree), self._draft_ids)
-                    sampled.ranks.observe(trials)
-                tokens = tree.host_lists()[0]  # already on the host: the tree was built from lists
-                new = [tokens[i] for i in path[1:]] + [bonus]
+                    if sampled is None:
+                        path, bonus = verify(tree, lg, params, gen)
+                    else:
+                        path, bonus, trials = verify_sampled(tree, lg, params, gen, cands.q_logp,
+                                                             *self._sampled_rows(cands, tree), self._draft_ids)
+                        sampled.ranks.observe(trials)
+                    tokens = tree.host_lists()[0]  # already on the host: the tree was built from lists
+                    new = [tokens[i] for i in path[1:]] + [bonus]
             accepted = len(path)
             if path != list(range(accepted)):  # else every accepted node is in its slot already: no call
                 src = torch.tensor(path + list(range(accepted, self._pad)), device=dev)
@@ -726,7 +803,11 @@ class Engine:
             timers.accept.append(len(new))
             yield new
             t0 = time.perf_counter()
-            if fused:  # the head caught up inside the verification: the last accepted node is the next root
+            if fused_sampled:  # as below; its children are drawn from the head's distribution there
+                last = path[-1]
+                scores, ids, lq = self._children_of(h_lq[last][None], *inputs(1, 1))
+                root_hidden, root_scores, root_ids, root_q = h_out[last], scores[0], ids[0], lq[0]
+            elif fused:  # the head caught up inside the verification: the last accepted node is the next root
                 last = path[-1]
                 root_hidden, root_scores, root_ids, root_q = h_out[last], h_scores[last], h_ids[last], None
             else:
@@ -770,30 +851,33 @@ class Engine:
             verify.add(min(t.max_nodes, t.max_candidates + 1))
         frontier = {t.draft_top_k} if t.kind == "dynamic" else {len(rows) for rows in Drafter(None, t)._plan[0]}
         fused = sorted(n for n in verify if n > 1) if self.fuses_catchup else []
-        return {"verify": sorted(verify), "frontier": sorted(frontier), "catch-up": [self._pad], "fused": fused}
+        return {"verify": sorted(verify), "frontier": sorted(frontier), "catch-up": [self._pad], "fused": fused,
+                "sampled-fused": fused if self.draft_sampling else []}
 
     @torch.inference_mode()
     def warmup(self, progress=None, greedy: bool | None = None) -> None:
         """Run (and so compile) every shape once, off to the side of the cache. greedy: True, only what greedy
         generations call (plain steps, the fused verification, the frontier); False, only what T > 0 calls
-        (the verification sizes, the catch-up, the frontier); None, everything. Why: in a new process each
+        without a top-k / top-p filter (plain steps, the sampled fused verification, the frontier; without
+        fusion, the verification sizes and the catch-up); None, everything. Why: in a new process each
         of the target's graphs takes ~5-6 s to load from the cache (dynamo traces it again), and a command
         that knows its temperature should not wait for graphs it never calls; one it does call later
         compiles then."""
         self.warmed_for = greedy
         shapes = self.shapes()
-        separate, fused = self.calls_for(greedy)
+        separate, fused, sampled = self.calls_for(greedy)
         steps = [("verify", n) for n in shapes["verify"] if n == 1 or separate]
         if self.head is not None:
             if separate:
                 steps += [("catch-up", shapes["catch-up"][0])]
             steps += [("frontier", f) for f in shapes["frontier"]]
             steps += [("verify+catch-up", n) for n in (shapes["fused"] if fused else [])]
+            steps += [("verify+catch-up, sampled", n) for n in (shapes["sampled-fused"] if sampled else [])]
         for i, (kind, n) in enumerate(steps):
             if progress:
                 progress(i, len(steps), f"{kind} {n}")
-            if kind in ("verify", "verify+catch-up"):
-                self.time_verify_call(n, 64, fused=kind != "verify")
+            if kind.startswith("verify"):
+                self.time_verify_call(n, 64, fused=kind != "verify", sampled=kind.endswith("sampled"))
             else:
                 self.time_draft_call("first" if kind == "catch-up" else "step", 64, n)
         if self.head is not None:
@@ -807,13 +891,25 @@ class Engine:
             progress(len(steps), len(steps), "done")
 
     @torch.inference_mode()
-    def time_verify_call(self, n: int, context: int, fused: bool = False) -> None:
+    def time_verify_call(self, n: int, context: int, fused: bool = False, sampled: bool = False) -> None:
         """One verification of n tokens after `context` cached ones (cache contents are scratch); fused: the
-        greedy rounds' call, with the head's catch-up and depth 1 (_fused_fn)."""
+        greedy rounds' call, with the head's catch-up and depth 1 (_fused_fn); fused and sampled: the sampled
+        rounds' (_fused_sampled_fn), every node with a full set of children."""
         dev = self.device
         toks = torch.zeros(n, dtype=torch.long, device=dev)
         pos = context + torch.arange(n, device=dev)
         mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril(context)
+        if fused and sampled:
+            k = self.tree.draft_top_k
+            q = torch.full((1, n, draft_vocab_size(self.head)), -9.0, device=dev)
+            kids = torch.arange(k, device=dev) if self._draft_ids is None else self._draft_ids[:k]  # drawable tokens
+            kids = kids.expand(1, n, k).contiguous()
+            u = torch.rand(1, n, k + 1, dtype=torch.float64, device=dev)
+            draws = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids,
+                                             torch.ones(1, n, k, dtype=torch.bool, device=dev), u,
+                                             cache_start=context, t=n, mask=mask)[1]
+            draws.tolist()
+            return
         if fused:
             amax = self._fused_call(toks[None], pos[None], cache_start=context, t=n, mask=mask)[1]
         else:

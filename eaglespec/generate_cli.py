@@ -62,6 +62,14 @@ def _stream(engine, kw, method, show: bool):
     return result
 
 
+def _warms_for(args) -> bool | None:
+    """Engine.warmup's `greedy` for this command's sampling settings: a filter (top-k / top-p) at T > 0 takes
+    the separate calls, which only the full warm-up covers."""
+    if args.temperature == 0:
+        return True
+    return False if args.top_p >= 1 and not args.top_k else None
+
+
 def run_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -70,7 +78,7 @@ def run_generate(args) -> int:
         raise ValueError("--repeats must be at least 1")
     kw = _request(args, prompt)
     _check_before_loading(args, kw)
-    engine = build_engine(args, greedy=args.temperature == 0)
+    engine = build_engine(args, greedy=_warms_for(args))
     engine.encode(**{k: kw[k] for k in ("prompt", "messages") if k in kw})  # validate before loading time
     if not args.compare:
         r = _stream(engine, kw, args.method, show=not args.json)
@@ -120,7 +128,7 @@ def _median_speedup(engine, kw, v, e, repeats: int) -> tuple[float, list[dict]]:
 
 def run_chat(args) -> int:
     _check_before_loading(args, _request(args, "-"))
-    engine = build_engine(args, greedy=args.temperature == 0)
+    engine = build_engine(args, greedy=_warms_for(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:

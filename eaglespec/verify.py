@@ -15,16 +15,17 @@ from .sampling import SamplingParams, sample, target_probs
 from .tree import Tree
 
 
-def greedy_accept(tree: Tree, argmax: torch.Tensor) -> tuple[list[int], int, list[int]]:
+def greedy_accept(tree: Tree, argmax: torch.Tensor | list[int]) -> tuple[list[int], int, list[int]]:
     """Greedy verification: (accepted node indices, root first; bonus token; the new tokens, i.e. the
-    accepted nodes' tokens after the root, then the bonus).
+    accepted nodes' tokens after the root, then the bonus). Also the walk of tree_draws' draws, given for
+    `argmax`: the token that follows each node, whatever rule chose it.
 
     A node is accepted when its token equals the target's argmax at its parent, and so are all its
     ancestors'. Siblings carry distinct tokens, so the accepted nodes form one path; its deepest node
     gives the bonus token. One host read per round (the argmax); the walk is on the tree's host lists,
     parents before children, since a few dozen list steps cost less than tensor operations here."""
     tokens, parents, depths = tree.host_lists()
-    best = argmax[:len(tokens)].tolist()
+    best = argmax[:len(tokens)].tolist() if isinstance(argmax, torch.Tensor) else argmax
     ok, deepest = [True] * len(tokens), 0
     for i in range(1, len(tokens)):
         par = parents[i]
@@ -125,3 +126,68 @@ def verify_sampled(tree: Tree, logits: torch.Tensor, params: SamplingParams, gen
             q = q / rest
         else:
             return path, sample(p, generator), trials
+
+
+def tree_draws(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, kid_ok: torch.Tensor,
+               u: torch.Tensor) -> torch.Tensor:
+    """verify_sampled's rule at every tree node at once, as tensor operations (so that it can run inside the
+    verification's compiled graph): y[j], the token that follows node j if j is accepted, drawn exactly from the
+    target's distribution p_j there. Node j's children are tried in rank order: child x is taken with
+    min(1, p(x) / q(x)); a rejection leaves p's residual normalise(max(0, p - q)) and removes x from q; if none is
+    taken, y[j] is drawn from what is left of p (by inverting its float64 cumulative sum, as `sample`).
+
+    A child is accepted exactly when its token is its parent's y (a rejected child's residual mass is 0, so the
+    final draw never lands on it), so acceptance is greedy_accept's walk with y for the argmax, and the next token
+    after the last accepted node is its y. Why every node: the head's catch-up is fed (feature, next token) for
+    the accepted nodes, and inside the graph we do not know yet which they are. On CPU the engine runs the same
+    rule as a kernel (cpugemm's `tree_draws`); this is its reference and the path elsewhere.
+
+    p (n, V): the target's distribution at each node (target_probs); q (n, V): the draft distribution node j's
+    children were drawn from (any row for a node without children); kids (n, K): the children's tokens in the
+    order tried, kid_ok (n, K) which of them exist; u (n, K + 1) float64 uniforms, one per trial and one for the
+    final draw, independent of everything else."""
+    p = p.float()
+    q = q.float()
+    q = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
+    n, vocab = p.shape
+    y = torch.zeros(n, dtype=torch.long, device=p.device)
+    taken = torch.zeros(n, dtype=torch.bool, device=p.device)
+    trying = torch.ones(n, dtype=torch.bool, device=p.device)
+    for r in range(kids.shape[1]):
+        c = kids[:, r:r + 1]
+        live = kid_ok[:, r] & trying
+        pt, qt = p.gather(1, c)[:, 0], q.gather(1, c)[:, 0]
+        take = live & (u[:, r] * qt < pt)
+        y = torch.where(take, c[:, 0], y)
+        taken = taken | take
+        rej = live & ~take
+        residual = (p - q).clamp(min=0.0)
+        total = residual.sum(-1, keepdim=True)
+        # total <= 0 (p == q up to rounding) or nothing left in q: verify_sampled draws from p as it stands
+        p = torch.where(rej[:, None] & (total > 0), residual / total.clamp(min=1e-30), p)
+        q_left = q.scatter(1, c, 0.0)
+        rest = q_left.sum(-1, keepdim=True)
+        q = torch.where(rej[:, None] & (rest > 0), q_left / rest.clamp(min=1e-30), q)
+        trying = trying & ~take & ~(rej & ((total[:, 0] <= 0) | (rest[:, 0] <= 0)))
+    cdf = p.double().cumsum(-1)
+    at = u[:, -1] * cdf[:, -1]
+    drawn = (cdf <= at[:, None]).sum(-1)  # the first index whose cumulative mass exceeds u: searchsorted(right)
+    # u rounded up to the total: the last token with any mass (as `sample`)
+    last = torch.where(p > 0, torch.arange(vocab, device=p.device), -1).amax(-1)
+    drawn = torch.where(drawn >= vocab, last, drawn)
+    return torch.where(taken, y, drawn)
+
+
+def trials_from_draws(tree: Tree, path: list[int], draws: list[int], node_rank: list[int]) -> list[tuple[int, int, bool]]:
+    """The (depth, rank, accepted) of every child tree_draws tried on the accepted path (verify_sampled's
+    `trials`, for RankAcceptance): at each path node its children in rank order up to the one its draw took."""
+    kids = tree.children()
+    tokens, _, depths = tree.host_lists()
+    trials = []
+    for node in path:
+        for c in sorted(kids[node], key=lambda c: node_rank[c]):
+            hit = tokens[c] == draws[node]
+            trials.append((depths[c], node_rank[c], hit))
+            if hit:
+                break
+    return trials

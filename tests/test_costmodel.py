@@ -242,14 +242,16 @@ def test_a_cached_table_that_no_longer_matches_the_machine_is_remeasured(tiny_ch
 def test_a_run_times_only_the_calls_its_generations_make(tiny_checkpoint, tmp_path, monkeypatch):
     """A greedy-only engine (warmed for T = 0) times the plain step, the fused verification and a further depth,
     not the separate verification sizes or catch-up (on the default model each of those graphs costs a first
-    run ~80 s of compiling); a later sampling run with the same table adds what it lacks and keeps the rest."""
+    run ~80 s of compiling); a later sampling run with the same table adds its own fused call and keeps the
+    rest; only an engine warmed for everything (a filter at T > 0 may need them) times the separate calls."""
     monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path))
     engine = Engine.load(str(tiny_checkpoint("llama")), head="random", device="cpu", compile=False)
     sizes = (1,) + engine.auto_buckets()
     timed = Counter()
     verify, draft = engine.time_verify_call, engine.time_draft_call
-    monkeypatch.setattr(engine, "time_verify_call", lambda n, c, fused=False: (
-        timed.update([("fused" if fused else "verify", n)]), verify(n, c, fused))[1])
+    monkeypatch.setattr(engine, "time_verify_call", lambda n, c, fused=False, sampled=False: (
+        timed.update([("sampled-fused" if sampled else "fused" if fused else "verify", n)]),
+        verify(n, c, fused, sampled))[1])
     monkeypatch.setattr(engine, "time_draft_call", lambda which, c, f=None: (
         timed.update([("draft", which)]), draft(which, c, f))[1])
     # the spot check (tested above) would re-time on a sub-ms jitter of these tiny calls; here the machine is as it was
@@ -257,14 +259,20 @@ def test_a_run_times_only_the_calls_its_generations_make(tiny_checkpoint, tmp_pa
     engine.warmed_for = True
     greedy = costmodel.load_or_measure(engine, sizes)
     assert {k for k in timed if k[0] == "verify"} == {("verify", 1)} and ("draft", "first") not in timed
+    assert not any(k[0] == "sampled-fused" for k in timed)
     assert set(greedy.fused_verify_ms) == set(sizes) - {1} and greedy.draft_step_ms > 0 and greedy.draft_first_ms == 0
     timed.clear()
     engine.warmed_for = False
-    full = costmodel.load_or_measure(engine, sizes)
-    assert not any(k[0] == "fused" for k in timed) and ("draft", "first") in timed
-    assert set(full.verify_ms) == set(sizes) and full.draft_first_ms > 0 and full.fused_verify_ms == greedy.fused_verify_ms
+    sampling = costmodel.load_or_measure(engine, sizes)
+    assert {k[0] for k in timed} == {"sampled-fused"} and set(sampling.sampled_fused_ms) == set(sizes) - {1}
+    assert sampling.fused_verify_ms == greedy.fused_verify_ms and sampling.verify_ms == greedy.verify_ms
     timed.clear()
     engine.warmed_for = None
+    full = costmodel.load_or_measure(engine, sizes)
+    assert {k[0] for k in timed} == {"verify", "draft"} and ("draft", "first") in timed
+    assert set(full.verify_ms) == set(sizes) and full.draft_first_ms > 0 and full.fused_verify_ms == greedy.fused_verify_ms
+    assert full.sampled_fused_ms == sampling.sampled_fused_ms
+    timed.clear()
     assert costmodel.load_or_measure(engine, sizes).verify_ms == full.verify_ms and not timed  # complete now
 
 

@@ -17,7 +17,7 @@ from eaglespec.model import KVCache
 from eaglespec.sampling import SamplingParams, target_probs
 from eaglespec.testing import FAMILIES, exact_continuations, random_prompts  # noqa: F401 - test_ngram, test_eagle3 import them from here
 from eaglespec.tree import Drafter, HostCandidates, Tree, TreeConfig, ancestor_mask, top_by_score, tree_from_host
-from eaglespec.verify import greedy_accept, verify, verify_sampled
+from eaglespec.verify import greedy_accept, tree_draws, trials_from_draws, verify, verify_sampled
 
 KINDS = ("dynamic", "static", "chain")
 NEW = 32
@@ -277,16 +277,18 @@ def test_verification_emits_the_target_distribution(name):
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
-@pytest.mark.parametrize("drafts", ["sampled", "top-k"])
+@pytest.mark.parametrize("drafts", ["sampled", "sampled-kernel", "sampled-tensors", "top-k"])
 @pytest.mark.parametrize("name,draws,draft_vocab", [("t1", 2000, None), ("t0.7-p0.9-k5", 1000, None),
                                                     ("t1", 1000, [0, 2, 3, 5, 7])])
 def test_engine_sampling_follows_the_target(name, draws, draft_vocab, drafts, make_oracle_pair, monkeypatch):
     """End to end: EAGLE's first three sampled tokens follow the target's exact joint distribution
-    (also when the head drafts from a reduced vocabulary), with drafts sampled from the head (verify_sampled)
-    and with its top-k (verify); each rule is the one that ran."""
+    (also when the head drafts from a reduced vocabulary): with drafts sampled from the head, verified on the
+    host (verify_sampled, the catch-up a call of its own) or inside the verification call (tree_draws, as
+    cpugemm's kernel or as tensor operations; a top-k / top-p filter keeps the host rule), and with its top-k
+    (verify); each rule is the one that ran."""
     import eaglespec.engine as engine_module
     calls = Counter()
-    for rule in ("verify", "verify_sampled"):
+    for rule in ("verify", "verify_sampled", "tree_draws"):
         real_rule = getattr(engine_module, rule)
         monkeypatch.setattr(engine_module, rule,
                             lambda *a, _f=real_rule, _n=rule, **k: (calls.update([_n]), _f(*a, **k))[1])
@@ -295,7 +297,13 @@ def test_engine_sampling_follows_the_target(name, draws, draft_vocab, drafts, ma
     if draft_vocab is not None:
         head = with_draft_vocab(head, torch.tensor(draft_vocab))
     engine = Engine(model, head=head, tree=TreeConfig(top_k=3, depth=3, total_tokens=8))
-    engine.draft_sampling = drafts == "sampled"
+    engine.draft_sampling = drafts != "top-k"
+    engine.fuse_catchup = drafts != "sampled"
+    if drafts == "sampled-kernel" and not engine._draws_kernel:
+        pytest.skip("cpugemm's kernels are not built here")
+    engine._draws_kernel = drafts == "sampled-kernel"
+    fused = engine._fused_sampled_call
+    engine._fused_sampled_call = lambda *a, **k: (calls.update(["fused call"]), fused(*a, **k))[1]
     prompt = [1, 2, 3]
     expected = exact_continuations(model, prompt, 3, params)
     counts, accepted = Counter(), 0
@@ -305,8 +313,12 @@ def test_engine_sampling_follows_the_target(name, draws, draft_vocab, drafts, ma
         counts[tuple(r.token_ids)] += 1
         accepted += r.accept_lengths[0] > 1
     assert accepted > draws // 4  # drafts do get accepted
-    used = "verify_sampled" if drafts == "sampled" else "verify"
-    assert calls[used] > draws // 2 and set(calls) == {used}
+    filtered = params.top_p < 1 or params.top_k
+    used = {"top-k": {"verify"}, "sampled": {"verify_sampled"}, "sampled-kernel": {"fused call"},
+            "sampled-tensors": {"fused call", "tree_draws"}}[drafts]
+    if filtered and drafts.startswith("sampled"):
+        used = {"verify_sampled"}
+    assert all(calls[u] > draws // 2 for u in used) and set(calls) == used, calls
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 
@@ -318,13 +330,46 @@ def _prefix_logits(prefix: tuple, vocab: int, salt: int, scale: float) -> torch.
     return scale * torch.randn(vocab, generator=g)
 
 
+def _draws_by_rule(rule, tree, logits, params, gen, q_rows, rows, ranks, ids, vocab, k=3):
+    """tree_draws on one tree, as the engine feeds it (rule "tensors": the reference, "kernel": cpugemm's):
+    (accepted path, bonus, trials), as verify_sampled returns them."""
+    n, tokens = len(tree), tree.host_lists()[0]
+    kid_tok, kid_ok, q_of = torch.zeros(n, k, dtype=torch.long), torch.zeros(n, k, dtype=torch.bool), [0] * n
+    for j, kids in enumerate(tree.children()):
+        for c in kids:
+            kid_tok[j, ranks[c]], kid_ok[j, ranks[c]] = tokens[c], True
+        if kids:
+            q_of[j] = rows[kids[0]]
+    p = target_probs(logits, params)
+    q = q_rows[q_of].exp()
+    u = torch.rand(n, k + 1, generator=gen, dtype=torch.float64)
+    if rule == "kernel":
+        of = torch.full((vocab,), -1, dtype=torch.long)
+        ids_ = ids if ids is not None else torch.arange(vocab)
+        of[ids_] = torch.arange(len(ids_))
+        draws = torch.ops.eaglespec.tree_draws(p, q, ids_, of, kid_tok, kid_ok, u)
+    else:
+        if ids is not None:
+            q = torch.zeros(n, vocab).index_copy(1, ids, q)
+        draws = tree_draws(p, q, kid_tok, kid_ok, u)
+    draws = draws.tolist()
+    path, bonus, _ = greedy_accept(tree, draws)
+    return path, bonus, trials_from_draws(tree, path, draws, ranks)
+
+
+@pytest.mark.parametrize("rule", ["host", "tensors", "kernel"])
 @pytest.mark.parametrize("name,draft_vocab", [("t1", None), ("t0.7-p0.9-k5", None), ("t1", [0, 2, 3, 5, 7])])
-def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab):
+def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab, rule):
     """verify_sampled, driven like the engine drives it: each round drafts a fixed-shape tree whose children are
     drawn without replacement (Gumbel-top-k) from a *different* distribution q than the target's p, verifies it,
     and continues from what was emitted; the first three tokens follow the target's exact joint distribution.
     The tree's shape (3 children at the root, 2 under the first, 1 under the second, 1 below that) is fixed,
-    as the engine's is by position scores alone."""
+    as the engine's is by position scores alone. The same for its in-graph form, every node's draw at once
+    (tree_draws, as tensor operations and as cpugemm's kernel) walked like greedy acceptance."""
+    if rule == "kernel":
+        from eaglespec import cpugemm
+        if cpugemm.why_unavailable() is not None:
+            pytest.skip(cpugemm.why_unavailable())
     params, vocab = SAMPLING[name], 8
     ids = torch.tensor(draft_vocab) if draft_vocab is not None else None
     dv = vocab if ids is None else len(ids)
@@ -359,7 +404,11 @@ def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab):
             depths.append(depths[shape[c]] + 1)
         tree = Tree(torch.tensor(toks), torch.tensor(shape), torch.tensor(depths))
         logits = torch.stack([p_logits(pr) for pr in node_prefix])
-        path, bonus, trials = verify_sampled(tree, logits, params, gen, torch.stack(q_rows), rows, ranks, ids)
+        if rule == "host":
+            path, bonus, trials = verify_sampled(tree, logits, params, gen, torch.stack(q_rows), rows, ranks, ids)
+        else:
+            path, bonus, trials = _draws_by_rule(rule, tree, logits, params, gen, torch.stack(q_rows), rows, ranks,
+                                                 ids, vocab)
         # every tried child but the last of each node was rejected; an accepted one is on the path
         assert sum(ok for _, _, ok in trials) == len(path) - 1
         return [toks[i] for i in path[1:]] + [bonus], len(path) - 1

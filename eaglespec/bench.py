@@ -70,26 +70,26 @@ def register_method(name: str):
     return add
 
 
-def engine_method(method: str, tree_kind: str | None = None, draft_sampling: bool | None = None,
-                  fuse_catchup: bool | None = None):
-    """A factory for one of our engine's methods, optionally with another tree shape, at T > 0 the other
-    way of drafting (sampled from the head, or its top-k: Engine.draft_sampling), or at T = 0 the head's
-    catch-up as a call of its own (Engine.fuse_catchup False)."""
+def engine_method(method: str, tree_kind: str | None = None, **settings):
+    """A factory for one of our engine's methods, optionally with another tree shape and other engine settings
+    for its generations (restored after each): at T > 0 the other way of drafting (draft_sampling: sampled
+    from the head, or its top-k), the head's catch-up as a call of its own (fuse_catchup False), or the tree
+    sized by the cost table alone, not corrected by the times rounds measure (online_costs False)."""
     def factory(engine, model):
         tree = replace(engine.tree, kind=tree_kind) if tree_kind else engine.tree
 
         def run(input_ids, max_new_tokens, temperature, seed):
             base, engine.tree = engine.tree, tree
-            base_sampling, base_fuse = engine.draft_sampling, engine.fuse_catchup
-            if draft_sampling is not None:
-                engine.draft_sampling = draft_sampling
-            if fuse_catchup is not None:
-                engine.fuse_catchup = fuse_catchup
+            saved = {k: getattr(engine, k) for k in settings}
+            for k, v in settings.items():
+                setattr(engine, k, v)
             try:
                 return engine.generate(input_ids=input_ids, method=method, max_new_tokens=max_new_tokens,
                                        temperature=temperature, seed=seed)
             finally:
-                engine.tree, engine.draft_sampling, engine.fuse_catchup = base, base_sampling, base_fuse
+                engine.tree = base
+                for k, v in saved.items():
+                    setattr(engine, k, v)
         depth = None
         if method == "eagle":
             depth = tree.depth if tree.kind == "dynamic" else max(len(p) for p in tree.static_paths())
@@ -107,6 +107,8 @@ register_method("eagle-topk")(engine_method("eagle", draft_sampling=False))
 # greedy rounds with the head's catch-up as a call of its own, for an A/B of the fused verification (at T > 0
 # every round has it as its own call)
 register_method("eagle-unfused")(engine_method("eagle", fuse_catchup=False))
+# trees sized by the cost table alone (before the policy corrected it by the verification times it measures)
+register_method("eagle-table")(engine_method("eagle", online_costs=False))
 
 
 @register_method("hf")

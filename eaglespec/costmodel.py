@@ -305,9 +305,10 @@ class TreePolicy:
     """Chooses each round's draft depth (before drafting) and verified size (after drafting)."""
 
     def __init__(self, table: CostTable, buckets: tuple[int, ...], max_depth: int, ema: float = 0.05,
-                 fused: bool = False, sampled: bool = False):
+                 fused: bool = False, sampled: bool = False, online: bool = True):
         """fused: rounds verify with the head's catch-up and depth 1 in the same call, so depth 1 costs no
-        drafting and each size costs the fused call (sampled: the sampled rounds' one)."""
+        drafting and each size costs the fused call (sampled: the sampled rounds' one). online: correct the
+        table's verification times by those the rounds measure (observe_time)."""
         self.table, self.buckets, self.max_depth, self.ema = table, tuple(sorted(buckets)), max_depth, ema
         self.fused, self.sampled = fused, sampled
         # per depth: observed and predicted chance that the accepted path reaches it (calibration);
@@ -316,6 +317,15 @@ class TreePolicy:
         self.pred = [1.0] * (max_depth + 1)
         self.depth_estimate = float(max(1, min(max_depth, 4)))
         self.rounds = 0
+        # The verification's cost as rounds measure it (observe_time): per size, the measured / table ratio
+        # (mean of the first few, then an EMA), and over all sizes one EMA, for the sizes not seen yet. Why: one
+        # table is timed once, and this machine's speed swings by tens of percent within minutes, not evenly
+        # across sizes (tables taken while other tenants run have T(8)/T(1) 2.0 against 1.6 quiet), so a table
+        # taken at a busy moment sized every tree of a whole run wrongly. online False: the table alone.
+        self.online = online
+        self.time_factor: dict[int, float] = {}
+        self.time_seen: dict[int, int] = {}
+        self.mean_time_factor = 1.0
 
     def factor(self, depth: int) -> float:
         return min(2.0, max(0.02, self.obs[depth] / max(self.pred[depth], 1e-6)))
@@ -345,10 +355,38 @@ class TreePolicy:
             curves.append(cum)
         return curves
 
+    TIME_EMA = 0.05   # weight of one round's measured time
+    TIME_SEEN = 8     # rounds of a size before its own ratio is used (before: the mean over all sizes)
+
+    def t_verify(self, n: int) -> float:
+        """Verifying n tokens: the table's time, corrected by what rounds measured (observe_time)."""
+        t = self.table.t_verify(n, self.fused, self.sampled)
+        if not self.online:
+            return t
+        return t * (self.time_factor[n] if self.time_seen.get(n, 0) >= self.TIME_SEEN else self.mean_time_factor)
+
+    def t_draft(self, depth: int) -> float:
+        """Drafting `depth` levels: the table's time, scaled as the verification's is on average (the machine's
+        speed of the moment; the draft calls' own times are not fed back)."""
+        return self.table.t_draft(depth, self.fused) * (self.mean_time_factor if self.online else 1.0)
+
+    def observe_time(self, n: int, ms: float) -> None:
+        """A round verified n tokens in `ms` (the call, acceptance and the cache's compaction: what a round pays)."""
+        if not self.online:
+            return
+        r = ms / self.table.t_verify(n, self.fused, self.sampled)
+        seen = self.time_seen.get(n, 0) + 1
+        old = self.time_factor.get(n, self.mean_time_factor)
+        r = min(2.0 * old, max(0.5 * old, r))  # one preempted call moves an estimate a little; a lasting change, all the way
+        self.time_factor[n] = old + max(self.TIME_EMA, 1.0 / seen) * (r - old)
+        self.time_seen[n] = seen
+        total = sum(self.time_seen.values())
+        self.mean_time_factor += max(self.TIME_EMA, 1.0 / (1 + total)) * (r - self.mean_time_factor)
+
     def _best(self, cum: list[float], t_draft: float) -> tuple[float, int]:
         """(rate, n) of the best bucket that this many candidates can fill."""
         fits = [b for b in self.buckets if b - 1 < len(cum)] or [self.buckets[0]]
-        return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.table.t_verify(b, self.fused, self.sampled)), -b) for b in fits)
+        return max((cum[min(b - 1, len(cum) - 1)] / (t_draft + self.t_verify(b)), -b) for b in fits)
 
     def choose(self, scores: list[float], depths: list[int], drafted: int,
                free=frozenset()) -> tuple[int, list[int]]:
@@ -358,10 +396,9 @@ class TreePolicy:
         free: candidates that cost no drafting (the n-gram chain's), scored as calibrated log-probs."""
         curves = self._curves(scores, depths, drafted, free)
         # drafting is already paid for: only the verification cost differs between sizes
-        _, neg_n = self._best(curves[drafted], self.table.t_draft(drafted, self.fused))
+        _, neg_n = self._best(curves[drafted], self.t_draft(drafted))
         n = -neg_n
-        best_d = max(range(1, drafted + 1),
-                     key=lambda d: self._best(curves[d], self.table.t_draft(d, self.fused))[0])
+        best_d = max(range(1, drafted + 1), key=lambda d: self._best(curves[d], self.t_draft(d))[0])
         self.depth_estimate += 0.25 * (best_d - self.depth_estimate)
         keep = sorted(self._order[:n - 1])
         return len(keep) + 1, keep

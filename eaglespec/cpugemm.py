@@ -1056,24 +1056,33 @@ at::Tensor tree_draws(const at::Tensor& p, const at::Tensor& q, const at::Tensor
         qw.assign(qp + j * Vq, qp + (j + 1) * Vq);
         double qs = sum_range(qw.data(), 0, Vq);
         for (auto& x : qw) x = qs > 0 ? (float)(x / qs) : 0.f;
+        // After a rejection p is kept as pw * scale: a residual changes only the draft vocabulary's entries, so
+        // it costs a pass over those (not the whole vocabulary), and `outside` (the sum of pw off them) stays.
+        float scale = 1.f;
+        double outside = -1;
         for (int64_t r = 0; r < K; ++r) {
           if (!okr[r]) continue;
           int64_t c = kr[r], ci = reduced ? of[c] : c;
-          float pt = P[c], qt = ci >= 0 ? qw[ci] : 0.f;
+          float pt = P[c] * scale, qt = ci >= 0 ? qw[ci] : 0.f;
           if (!(qt > 0)) { bad = true; break; }  // a token the head could not have drawn: the caller's error
           if (ur[r] * qt < pt) { result = c; break; }
-          if (P != pw.data()) { pw.assign(P, P + V); P = pw.data(); }
-          double old_part = 0, new_part = 0;
-          for (int64_t i = 0; i < Vq; ++i) {
-            float x = pw[reduced ? ids[i] : i];
-            old_part += x;
-            new_part += std::max(x - qw[i], 0.f);
+          if (P != pw.data()) {
+            pw.assign(P, P + V);
+            P = pw.data();
+            double inside = 0;
+            for (int64_t i = 0; i < Vq; ++i) inside += pw[reduced ? ids[i] : i];
+            outside = sum_range(pw.data(), 0, V) - inside;
           }
-          double total = sum_range(pw.data(), 0, V) - old_part + new_part;
+          double residual = 0;
+          for (int64_t i = 0; i < Vq; ++i) residual += std::max(pw[reduced ? ids[i] : i] * scale - qw[i], 0.f);
+          double total = outside * scale + residual;
           if (!(total > 0)) break;  // p == q up to rounding: draw from p as it stands
-          float inv = (float)(1.0 / total);
-          for (int64_t i = 0; i < Vq; ++i) { float& x = pw[reduced ? ids[i] : i]; x = std::max(x - qw[i], 0.f); }
-          for (int64_t i = 0; i < V; ++i) pw[i] *= inv;
+          float inv = 1.f / scale;
+          for (int64_t i = 0; i < Vq; ++i) {
+            float& x = pw[reduced ? ids[i] : i];
+            x = std::max(x * scale - qw[i], 0.f) * inv;  // still pw * scale = the residual, unnormalised
+          }
+          scale = (float)(scale / total);  // normalising is a scale: the draw below needs pw's proportions only
           qw[ci] = 0.f;
           double rest = sum_range(qw.data(), 0, Vq);
           if (!(rest > 0)) break;  // every token the head could draw was tried

@@ -278,7 +278,9 @@ class Engine:
                            else self._move_both_fn) if head is not None else None
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None  # the latest top-k drafts' policy (for callers that inspect it)
-        self._policies: dict[tuple[bool, bool], TreePolicy] = {}  # (sampled drafts, fused catch-up) -> policy
+        self._policies: dict[tuple, TreePolicy] = {}  # (sampled drafts, fused catch-up, online costs) -> policy
+        # the tree policy corrects the cost table by the verification times its rounds measure (TreePolicy)
+        self.online_costs = True
         # At T > 0: draw the drafts from the head's distribution (verify_sampled) instead of taking its top-k
         # (verify). Both are lossless; sampled drafts are accepted more often where the target is unsure
         # (docs/performance.md, "Sampled drafts"). Greedy decoding always takes the top-k.
@@ -661,10 +663,10 @@ class Engine:
         rounds other costs (depth 1 comes with the verification), so each keeps its own."""
         if not self._auto_tree():
             return None
-        key = (sampled, fused)
+        key = (sampled, fused, self.online_costs)
         if key not in self._policies:
             self._policies[key] = TreePolicy(self._table(), self.auto_buckets(), self.tree.max_depth, fused=fused,
-                                             sampled=sampled)
+                                             sampled=sampled, online=self.online_costs)
         if not sampled:
             self.policy = self._policies[key]
         return self._policies[key]
@@ -795,6 +797,8 @@ class Engine:
                 dst[accepted:] += n
                 (self._move_both if fused else self._move)(cur + src, cur + dst)
             t2 = time.perf_counter()
+            if policy is not None:
+                policy.observe_time(n, 1e3 * (t2 - t1))
             self._learn(path, policy)
             timers.draft += t1 - t0
             timers.verify += t2 - t1
@@ -900,13 +904,15 @@ class Engine:
         pos = context + torch.arange(n, device=dev)
         mask = torch.ones(n, context + n, dtype=torch.bool, device=dev).tril(context)
         if fused and sampled:
+            # as the trees sampled rounds verify: the root's children (drawable tokens), the other nodes leaves
             k = self.tree.draft_top_k
             q = torch.full((1, n, draft_vocab_size(self.head)), -9.0, device=dev)
-            kids = torch.arange(k, device=dev) if self._draft_ids is None else self._draft_ids[:k]  # drawable tokens
+            kids = torch.arange(k, device=dev) if self._draft_ids is None else self._draft_ids[:k]
             kids = kids.expand(1, n, k).contiguous()
+            kid_ok = torch.zeros(1, n, k, dtype=torch.bool, device=dev)
+            kid_ok[0, 0, :min(k, n - 1)] = True
             u = torch.rand(1, n, k + 1, dtype=torch.float64, device=dev)
-            draws = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids,
-                                             torch.ones(1, n, k, dtype=torch.bool, device=dev), u,
+            draws = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids, kid_ok, u,
                                              cache_start=context, t=n, mask=mask)[1]
             draws.tolist()
             return

@@ -56,6 +56,32 @@ def test_free_verification_picks_the_largest_tree_and_a_steep_cost_the_smallest(
     assert n_steep == min(BUCKETS) and len(keep_steep) == min(BUCKETS) - 1
 
 
+def test_measured_verification_times_correct_a_wrong_table():
+    """A table that says verification is free (taken at a moment when it was) against rounds that measure every
+    token costing a step: once its rounds have timed the sizes, the policy picks the smallest tree where the
+    table alone keeps the largest. A machine that is only slower everywhere changes no choice, and one
+    preempted call moves an estimate a little."""
+    scores, depths = candidates(depth=4)
+    online, fixed = TreePolicy(FREE, BUCKETS, max_depth=5), TreePolicy(FREE, BUCKETS, max_depth=5, online=False)
+    for policy in (online, fixed):
+        assert policy.choose(scores, depths, 4)[0] == max(BUCKETS)
+        for _ in range(3 * TreePolicy.TIME_SEEN):
+            for n in BUCKETS:
+                policy.observe_time(n, STEEP.t_verify(n))
+    assert online.choose(scores, depths, 4)[0] == min(BUCKETS) and fixed.choose(scores, depths, 4)[0] == max(BUCKETS)
+    assert all(online.t_verify(n) == pytest.approx(STEEP.t_verify(n), rel=0.1) for n in BUCKETS)
+    before = online.t_verify(min(BUCKETS))
+    online.observe_time(min(BUCKETS), 100 * STEEP.t_verify(min(BUCKETS)))
+    assert online.t_verify(min(BUCKETS)) < 1.1 * before
+
+    slower = TreePolicy(STEEP, BUCKETS, max_depth=5)
+    for _ in range(3 * TreePolicy.TIME_SEEN):
+        for n in BUCKETS:
+            slower.observe_time(n, 1.5 * STEEP.t_verify(n))
+    assert slower.mean_time_factor == pytest.approx(1.5, rel=0.05)
+    assert slower.choose(scores, depths, 4) == TreePolicy(STEEP, BUCKETS, max_depth=5).choose(scores, depths, 4)
+
+
 def test_the_kept_candidates_form_a_connected_tree():
     """The policy keeps the best-scoring candidates; a child never outscores its parent, so the parents of
     every kept candidate are kept (checked on a drafted candidate set)."""
@@ -135,12 +161,14 @@ def test_every_policy_is_greedy_lossless(cost, good, same_or_tie):
     model, head, prompts, want = good
     tab = {"free": FREE, "steep": STEEP, "measured": None}[cost]
     engine = Engine(model, head=head, tree=TreeConfig(auto=True, depth=5, total_tokens=16), cost_table=tab)
+    engine.online_costs = cost == "measured"  # synthetic tables: sizes follow the table, not these tiny calls' times
     sizes = Counter()
     for p, w in zip(prompts, want):
         r = engine.generate(input_ids=p, max_new_tokens=24, ignore_eos=True)
         same_or_tie(model, p, r.token_ids, w)
         sizes[r.tree_tokens / r.target_forwards] += 1
     assert engine.policy is not None and engine.policy.rounds > 0
+    assert bool(engine.policy.time_seen) == engine.online_costs  # every round's verification time is fed back
     mean = sum(k * v for k, v in sizes.items()) / sum(sizes.values())
     if cost == "free":
         assert mean > 12  # close to the largest bucket

@@ -74,7 +74,7 @@ def engine_method(method: str, tree_kind: str | None = None, **settings):
     """A factory for one of our engine's methods, optionally with another tree shape and other engine settings
     for its generations (restored after each): at T > 0 the other way of drafting (draft_sampling: sampled
     from the head, or its top-k), the head's catch-up as a call of its own (fuse_catchup False), or the tree
-    sized by the cost table alone, not corrected by the times rounds measure (online_costs False)."""
+    sized by the cost table corrected by the times rounds measure (online_costs True)."""
     def factory(engine, model):
         tree = replace(engine.tree, kind=tree_kind) if tree_kind else engine.tree
 
@@ -107,8 +107,8 @@ register_method("eagle-topk")(engine_method("eagle", draft_sampling=False))
 # greedy rounds with the head's catch-up as a call of its own, for an A/B of the fused verification (at T > 0
 # every round has it as its own call)
 register_method("eagle-unfused")(engine_method("eagle", fuse_catchup=False))
-# trees sized by the cost table alone (before the policy corrected it by the verification times it measures)
-register_method("eagle-table")(engine_method("eagle", online_costs=False))
+# trees sized by the cost table corrected by the verification times the rounds measure (Engine.online_costs)
+register_method("eagle-online")(engine_method("eagle", online_costs=True))
 
 
 @register_method("hf")

@@ -279,8 +279,10 @@ class Engine:
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None  # the latest top-k drafts' policy (for callers that inspect it)
         self._policies: dict[tuple, TreePolicy] = {}  # (sampled drafts, fused catch-up, online costs) -> policy
-        # the tree policy corrects the cost table by the verification times its rounds measure (TreePolicy)
-        self.online_costs = True
+        # True: the tree policy corrects the cost table by the verification times its rounds measure (TreePolicy).
+        # Off by default: measured on 80 MT-bench turns it did not win (T = 0 1.259x against 1.270x for the table
+        # alone, T = 1 1.062x against 1.076x, one interleaved run; docs/performance.md, "Sampled rounds in one call")
+        self.online_costs = False
         # At T > 0: draw the drafts from the head's distribution (verify_sampled) instead of taking its top-k
         # (verify). Both are lossless; sampled drafts are accepted more often where the target is unsure
         # (docs/performance.md, "Sampled drafts"). Greedy decoding always takes the top-k.

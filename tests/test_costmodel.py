@@ -162,6 +162,7 @@ def test_every_policy_is_greedy_lossless(cost, good, same_or_tie):
     tab = {"free": FREE, "steep": STEEP, "measured": None}[cost]
     engine = Engine(model, head=head, tree=TreeConfig(auto=True, depth=5, total_tokens=16), cost_table=tab)
     engine.online_costs = cost == "measured"  # synthetic tables: sizes follow the table, not these tiny calls' times
+    assert not Engine(model, head=head).online_costs  # off by default
     sizes = Counter()
     for p, w in zip(prompts, want):
         r = engine.generate(input_ids=p, max_new_tokens=24, ignore_eos=True)

@@ -163,18 +163,13 @@ class StaticCall:
         full[:, seen:end] = mask
         slots = torch.arange(cache_start, end, device=device)
         if self.compiled:
-            torch._dynamo.mark_dynamic(full, 1)
-            if self.dynamic_t and t > 1:
-                for x in (full, slots):
-                    torch._dynamo.mark_dynamic(x, 0)
-                for x in inputs:
-                    torch._dynamo.mark_dynamic(x, 1)
             shape = (1 if t == 1 else "t" if self.dynamic_t else t, self.state() if self.state else None)
             if self.skip_guards and shape in self._warm:
                 # Why: evaluating the guards cost 1.1 ms a call of the target (each of its tensors is
                 # checked), 6 % of a decoding step; measured 1167 -> 52 us a call. The first call of each
                 # shape runs them all, so a graph that another engine's structure would fail is told
-                # apart by a guard that failed, which torch then keeps checking.
+                # apart by a guard that failed, which torch then keeps checking. The inputs are marked
+                # dynamic only where a graph may be traced (marking them cost ~80 us a call).
                 try:
                     with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                         return self._fn(*inputs, slots=slots, mask=full)
@@ -185,8 +180,18 @@ class StaticCall:
                     if "skip_guard_eval_unsafe" not in str(e):
                         raise
                     self._warm.clear()
+            self._mark_dynamic(full, slots, inputs, t)
             self._warm.add(shape)
         return self._fn(*inputs, slots=slots, mask=full)
+
+    def _mark_dynamic(self, full, slots, inputs, t: int) -> None:
+        """The sizes a graph is traced with symbolically: the mask's cache length, and with dynamic_t the t."""
+        torch._dynamo.mark_dynamic(full, 1)
+        if self.dynamic_t and t > 1:
+            for x in (full, slots):
+                torch._dynamo.mark_dynamic(x, 0)
+            for x in inputs:
+                torch._dynamo.mark_dynamic(x, 1)
 
 
 def compile_fn(fn, mode: str, packed: bool = False):

@@ -122,3 +122,23 @@ def test_a_warm_compiled_engine_follows_a_changed_draft_top_k(make_oracle_pair, 
         got = compiled.generate(input_ids=prompt, max_new_tokens=24, method="eagle", ignore_eos=True)
         same_or_tie(model, prompt, got.token_ids, want)
         assert compiled._expand_call._warm and all(s[1] in (2, 3, 4) for s in compiled._expand_call._warm)
+
+
+def test_generate_warms_the_graphs_its_sampling_settings_call(make_oracle_pair):
+    """`generate`/`chat` warm greedy graphs at T = 0, the sampled fused call at T > 0, and everything where a top-k
+    or top-p filter sends sampled rounds to the separate calls (Engine.fuses_sampling)."""
+    from argparse import Namespace
+    from eaglespec.generate_cli import _warms_for
+    from eaglespec.sampling import SamplingParams
+    assert _warms_for(Namespace(temperature=0.0, top_p=0.9, top_k=5)) is True
+    assert _warms_for(Namespace(temperature=0.7, top_p=1.0, top_k=0)) is False
+    assert _warms_for(Namespace(temperature=0.7, top_p=0.9, top_k=0)) is None
+    assert _warms_for(Namespace(temperature=0.7, top_p=1.0, top_k=5)) is None
+    model, head = make_oracle_pair()
+    engine = Engine(model, head=head)
+    assert engine.fuses_sampling(SamplingParams(0.7)) and not engine.fuses_sampling(SamplingParams(0.7, top_p=0.9))
+    assert not engine.fuses_sampling(SamplingParams(0.7, top_k=5)) and not engine.fuses_sampling(SamplingParams(0.0))
+    assert engine.calls_for(False) == (False, False, True) and engine.calls_for(True) == (False, True, False)
+    assert engine.calls_for(None) == (True, True, True)
+    engine.draft_sampling = False  # top-k drafts at T > 0 verify on the host
+    assert engine.calls_for(False) == (True, False, False)

@@ -713,9 +713,9 @@ class Engine:
         inputs = self._draw_inputs(sampled)
         # greedy: the argmax a node's head input needs is known inside the verification (_fused_fn); sampled
         # drafts: so is the node's draw, where the rejection sampling runs inside it too (_fused_sampled_fn)
-        fused_sampled = sampled is not None and self.fuses_sampling(params)
-        fused = (params.greedy and self.fuses_catchup) or fused_sampled
-        policy = self._get_policy(sampled is not None, fused)
+        way = ("sampled-fused" if sampled is not None and self.fuses_sampling(params)
+               else "fused" if params.greedy and self.fuses_catchup else "separate")
+        policy = self._get_policy(sampled is not None, way != "separate")
         drafter = Drafter(self._expand_call, self.tree)
         # the n-gram chain's tokens are not drawn from the head: verify_sampled has no rule for them
         ngram = self._get_ngram() if sampled is None else None
@@ -765,39 +765,8 @@ class Engine:
             _sync(dev)
             t1 = time.perf_counter()
             n = len(tree)
-            mask = tree.ancestor_mask()
-            if fused_sampled:
-                rows, ranks = self._sampled_rows(cands, tree)
-                f, draws, h_out, h_lq = self._fused_sampled_call(
-                    tree.tokens[None], (cur + tree.depths)[None],
-                    *self._tree_draw_inputs(cands, tree, rows, ranks, params, gen), cache_start=cur, t=n, mask=mask)
-                draws = draws.tolist()  # the round's one read: every node's next token, drawn by verify_sampled's rule
-                path, bonus, new = greedy_accept(tree, draws)
-                sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks))
-            elif fused:
-                f, amax, h_out, h_scores, h_ids = self._fused_call(
-                    tree.tokens[None], (cur + tree.depths)[None], cache_start=cur, t=n, mask=mask)
-                path, bonus, new = greedy_accept(tree, amax)
-            else:
-                f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
-                if params.greedy:
-                    path, bonus, new = greedy_accept(tree, amax)
-                else:
-                    if sampled is None:
-                        path, bonus = verify(tree, lg, params, gen)
-                    else:
-                        path, bonus, trials = verify_sampled(tree, lg, params, gen, cands.q_logp,
-                                                             *self._sampled_rows(cands, tree), self._draft_ids)
-                        sampled.ranks.observe(trials)
-                    tokens = tree.host_lists()[0]  # already on the host: the tree was built from lists
-                    new = [tokens[i] for i in path[1:]] + [bonus]
-            accepted = len(path)
-            if path != list(range(accepted)):  # else every accepted node is in its slot already: no call
-                src = torch.tensor(path + list(range(accepted, self._pad)), device=dev)
-                dst = torch.arange(self._pad, device=dev)
-                src[accepted:] = dst[accepted:] + n  # padding: slots past the tree copy onto themselves, harmlessly
-                dst[accepted:] += n
-                (self._move_both if fused else self._move)(cur + src, cur + dst)
+            path, bonus, new, next_root = self._verify_round(tree, cands, cur, params, gen, sampled, way, inputs)
+            self._compact(path, n, cur, both=way != "separate")
             t2 = time.perf_counter()
             if policy is not None:
                 policy.observe_time(n, 1e3 * (t2 - t1))
@@ -809,22 +778,71 @@ class Engine:
             timers.accept.append(len(new))
             yield new
             t0 = time.perf_counter()
-            if fused_sampled:  # as below; its children are drawn from the head's distribution there
-                last = path[-1]
-                scores, ids, lq = self._children_of(h_lq[last][None], *inputs(1, 1))
-                root_hidden, root_scores, root_ids, root_q = h_out[last], scores[0], ids[0], lq[0]
-            elif fused:  # the head caught up inside the verification: the last accepted node is the next root
-                last = path[-1]
-                root_hidden, root_scores, root_ids, root_q = h_out[last], h_scores[last], h_ids[last], None
-            else:
-                path_t = torch.tensor(path + [0] * (self._pad - accepted), device=dev)
-                root_hidden, root_scores, root_ids, root_q = self._catchup(new, f, path_t, cur, inputs)
-            root, cur = bonus, cur + accepted
+            root_hidden, root_scores, root_ids, root_q = next_root()
+            root, cur = bonus, cur + len(path)
             if ngram is not None:
                 ngram.extend(new)
             timers.draft += time.perf_counter() - t0
             if switch is not None:
                 spec_start, spec_tokens = t_round, len(new)
+
+    def _verify_round(self, tree: Tree, cands, cur: int, params: SamplingParams, gen, sampled, way: str, inputs):
+        """Verify `tree` after `cur` committed tokens, the way this round's rounds go: "fused" (greedy: one call, the
+        head's catch-up and depth 1 inside), "sampled-fused" (the same with the rejection sampling inside) or
+        "separate" (the verification, then the catch-up as a call of its own). Returns (the accepted nodes, root
+        first; the bonus token; the new tokens; next_root), where next_root() gives the next round's (root hidden,
+        children's scores, their ids, the root's draft log-probabilities or None): called once the round's tokens
+        have gone to the caller."""
+        n, mask = len(tree), tree.ancestor_mask()
+        tokens_in, positions = tree.tokens[None], (cur + tree.depths)[None]
+        if way == "sampled-fused":
+            rows, ranks = self._sampled_rows(cands, tree)
+            _, draws, h_out, h_lq = self._fused_sampled_call(
+                tokens_in, positions, *self._tree_draw_inputs(cands, tree, rows, ranks, params, gen),
+                cache_start=cur, t=n, mask=mask)
+            draws = draws.tolist()  # the round's one read: every node's next token, drawn by verify_sampled's rule
+            path, bonus, new = greedy_accept(tree, draws)
+            sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks))
+
+            def next_root():  # the last accepted node's head row; its children drawn from the head's distribution
+                scores, ids, lq = self._children_of(h_lq[path[-1]][None], *inputs(1, 1))
+                return h_out[path[-1]], scores[0], ids[0], lq[0]
+            return path, bonus, new, next_root
+        if way == "fused":
+            _, amax, h_out, h_scores, h_ids = self._fused_call(tokens_in, positions, cache_start=cur, t=n, mask=mask)
+            path, bonus, new = greedy_accept(tree, amax)
+            last = path[-1]  # the head caught up inside the verification: the last accepted node is the next root
+            return path, bonus, new, lambda: (h_out[last], h_scores[last], h_ids[last], None)
+        f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
+        if params.greedy:
+            path, bonus, new = greedy_accept(tree, amax)
+        else:
+            if sampled is None:
+                path, bonus = verify(tree, lg, params, gen)
+            else:
+                path, bonus, trials = verify_sampled(tree, lg, params, gen, cands.q_logp,
+                                                     *self._sampled_rows(cands, tree), self._draft_ids)
+                sampled.ranks.observe(trials)
+            tokens = tree.host_lists()[0]  # already on the host: the tree was built from lists
+            new = [tokens[i] for i in path[1:]] + [bonus]
+
+        def next_root():
+            path_t = torch.tensor(path + [0] * (self._pad - len(path)), device=self.device)
+            return self._catchup(new, f, path_t, cur, inputs)
+        return path, bonus, new, next_root
+
+    def _compact(self, path: list[int], n: int, cur: int, both: bool) -> None:
+        """Move the accepted nodes' cache entries (the head's too where it ran inside the verification) into the
+        slots after the committed tokens."""
+        accepted = len(path)
+        if path == list(range(accepted)):  # every accepted node is in its slot already: no call
+            return
+        dev = self.device
+        src = torch.tensor(path + list(range(accepted, self._pad)), device=dev)
+        dst = torch.arange(self._pad, device=dev)
+        src[accepted:] = dst[accepted:] + n  # padding: slots past the tree copy onto themselves, harmlessly
+        dst[accepted:] += n
+        (self._move_both if both else self._move)(cur + src, cur + dst)
 
     def _plain_round(self, root, cur, params, gen, timers, pending) -> list[int]:
         """One plain decoding step inside an EAGLE generation (the switch says speculating does not pay):

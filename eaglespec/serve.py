@@ -132,8 +132,9 @@ def replicate(engine: "Engine", n: int) -> list["Engine"]:
         e = Engine(share_weights(engine.model), copy.deepcopy(engine.tokenizer), head, engine.tree,
                    engine.max_context, **extra)
         e.head_source = getattr(engine, "head_source", None)
-        e.draft_sampling = getattr(engine, "draft_sampling", True)
-        e.fuse_catchup = getattr(engine, "fuse_catchup", True)
+        for setting in ("draft_sampling", "fuse_catchup", "online_costs"):  # what the CLI or caller set on the first
+            if hasattr(engine, setting):
+                setattr(e, setting, getattr(engine, setting))
         engines.append(e)
     return engines
 

@@ -383,3 +383,13 @@ def test_cli_serves_with_api_key(folder):
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_replicas_keep_the_first_engines_settings(make_oracle_pair):
+    """Each replica decodes as the engine it copies: the drafts' kind, the fused catch-up, the online costs."""
+    from eaglespec.engine import Engine
+    model, head = make_oracle_pair()
+    engine = Engine(model, head=head)
+    engine.draft_sampling, engine.fuse_catchup, engine.online_costs = False, False, True
+    for e in replicate(engine, 2)[1:]:
+        assert (e.draft_sampling, e.fuse_catchup, e.online_costs) == (False, False, True)

@@ -418,12 +418,17 @@ class Engine:
         token (or the bonus), and their ancestors are the accepted ones: exactly the pairs the catch-up would
         feed, in the slots it would write once the accepted path is moved into place (_move_both). The other
         nodes' entries are dropped like the target's. Returns the target's (features, argmax) and every
-        node's head output and top-k (scores, target ids): the last accepted node's start the next round."""
+        node's head output and top-k (scores, target ids): the last accepted node's start the next round; and
+        the argmax and the top-k again as one float64 block, the round's one read to the host."""
         feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
         amax = logits[0].argmax(-1)
         out = self.head.first(self.model.embed_tokens(amax[None]), feats, positions, mask=mask, cache_start=slots)[0]
         top = self._draft_logprobs(out).topk(self.tree.draft_top_k, dim=-1)
-        return feats[0], amax, out, top.values, self._to_target_ids(top.indices)
+        ids = self._to_target_ids(top.indices)
+        # what the host reads of the round, in one block: each node's argmax, then its children's scores and ids
+        # (ids < 2**53 and float32 scores are exact in float64)
+        host = torch.cat([amax[:, None].double(), top.values.double(), ids.double()], dim=1)
+        return feats[0], amax, out, top.values, ids, host
 
     def _fused_sampled_fn(self, tokens, positions, temperature, q_logp, kids, kid_ok, u, *, slots, mask):
         """A sampled round's verification with the head's catch-up and depth 1 in the same call (sampled drafts,
@@ -726,6 +731,7 @@ class Engine:
         if ngram is not None:
             ngram.reset(ids + [root])
         root_hidden, root_scores, root_ids, root_q = self._head_prefill(ids, root, feats, inputs)
+        root_host = None
         cur = len(ids)
         timers.draft += time.perf_counter() - t0
         switch = self._get_switch()
@@ -750,6 +756,7 @@ class Engine:
             if pending:  # the head catches up on the plain rounds' tokens before it drafts again
                 start = cur - len(pending)
                 path_t = torch.tensor(list(range(len(pending))) + [0] * (self._pad - len(pending)), device=dev)
+                root_host = None
                 root_hidden, root_scores, root_ids, root_q = self._catchup(
                     [tok for tok, _ in pending], torch.cat([f for _, f in pending]), path_t, start, inputs)
                 t0 = time.perf_counter()
@@ -759,7 +766,7 @@ class Engine:
             t_round = t0
             depth = policy.depth() if policy is not None else self.tree.max_depth
             cands = drafter.draft(root_hidden, root_scores, root_ids, cur, depth, inputs,
-                                  root_q if sampled is not None else None)
+                                  root_q if sampled is not None else None, root_host)
             chain = ngram.propose() if ngram is not None else []
             tree = self._choose_tree(root, cands, depth, chain, policy)
             _sync(dev)
@@ -778,7 +785,7 @@ class Engine:
             timers.accept.append(len(new))
             yield new
             t0 = time.perf_counter()
-            root_hidden, root_scores, root_ids, root_q = next_root()
+            root_hidden, root_scores, root_ids, root_q, root_host = next_root()
             root, cur = bonus, cur + len(path)
             if ngram is not None:
                 ngram.extend(new)
@@ -791,8 +798,8 @@ class Engine:
         head's catch-up and depth 1 inside), "sampled-fused" (the same with the rejection sampling inside) or
         "separate" (the verification, then the catch-up as a call of its own). Returns (the accepted nodes, root
         first; the bonus token; the new tokens; next_root), where next_root() gives the next round's (root hidden,
-        children's scores, their ids, the root's draft log-probabilities or None): called once the round's tokens
-        have gone to the caller."""
+        children's scores, their ids, the root's draft log-probabilities or None, the children as HostCandidates or
+        None): called once the round's tokens have gone to the caller."""
         n, mask = len(tree), tree.ancestor_mask()
         tokens_in, positions = tree.tokens[None], (cur + tree.depths)[None]
         if way == "sampled-fused":
@@ -806,13 +813,18 @@ class Engine:
 
             def next_root():  # the last accepted node's head row; its children drawn from the head's distribution
                 scores, ids, lq = self._children_of(h_lq[path[-1]][None], *inputs(1, 1))
-                return h_out[path[-1]], scores[0], ids[0], lq[0]
+                return h_out[path[-1]], scores[0], ids[0], lq[0], None
             return path, bonus, new, next_root
         if way == "fused":
-            _, amax, h_out, h_scores, h_ids = self._fused_call(tokens_in, positions, cache_start=cur, t=n, mask=mask)
-            path, bonus, new = greedy_accept(tree, amax)
-            last = path[-1]  # the head caught up inside the verification: the last accepted node is the next root
-            return path, bonus, new, lambda: (h_out[last], h_scores[last], h_ids[last], None)
+            _, _, h_out, h_scores, h_ids, h_host = self._fused_call(tokens_in, positions, cache_start=cur, t=n,
+                                                                   mask=mask)
+            rows = h_host.tolist()  # the round's one read: every node's argmax and top-k
+            path, bonus, new = greedy_accept(tree, [int(r[0]) for r in rows])
+            last, k = path[-1], self.tree.draft_top_k
+            # the head caught up inside the verification: the last accepted node is the next root, and its
+            # children are on the host already (a depth-1 round then reads nothing more)
+            host = HostCandidates([int(x) for x in rows[last][1 + k:]], [-1] * k, [1] * k, rows[last][1:1 + k])
+            return path, bonus, new, lambda: (h_out[last], h_scores[last], h_ids[last], None, host)
         f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
         if params.greedy:
             path, bonus, new = greedy_accept(tree, amax)
@@ -828,7 +840,7 @@ class Engine:
 
         def next_root():
             path_t = torch.tensor(path + [0] * (self._pad - len(path)), device=self.device)
-            return self._catchup(new, f, path_t, cur, inputs)
+            return *self._catchup(new, f, path_t, cur, inputs), None
         return path, bonus, new, next_root
 
     def _compact(self, path: list[int], n: int, cur: int, both: bool) -> None:

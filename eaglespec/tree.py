@@ -132,6 +132,7 @@ class Candidates:
     # candidates being k children per row in order
     q_logp: torch.Tensor | None = None
     layout: list[tuple[int, int]] | None = None
+    host: "HostCandidates | None" = None  # the same candidates already on the host (HostCandidates.read returns it)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -155,6 +156,8 @@ class HostCandidates:
 
     @classmethod
     def read(cls, cands: Candidates) -> "HostCandidates":
+        if cands.host is not None:
+            return cands.host
         # one read: the ids (< 2**53) and depths are exact in float64, and float32 scores convert exactly
         rows = torch.stack([cands.tokens.double(), cands.parents.double(), cands.depths.double(),
                             cands.scores.double()]).tolist()
@@ -238,12 +241,14 @@ class Drafter:
         self._plan = None if config.kind == "dynamic" else _static_plan(config.static_paths(), config.draft_top_k)
 
     def draft(self, root_hidden: torch.Tensor, root_scores: torch.Tensor, root_ids: torch.Tensor,
-              base: int, depth: int, inputs=None, root_q: torch.Tensor | None = None) -> Candidates:
+              base: int, depth: int, inputs=None, root_q: torch.Tensor | None = None,
+              root_host: "HostCandidates | None" = None) -> Candidates:
         """root_hidden (H,): the head's output for the root; root_scores/root_ids (k,): its top-k.
         base: the committed length (first tree slot in the head cache); depth: levels to draft.
         inputs(depth, rows) -> (noise, mix): the expand call's draw inputs (engine._draw_inputs).
         root_q: sampled drafts only: the root's log-probabilities, which its children were drawn from; the
-        rows of every later depth are then kept too (Candidates.q_logp)."""
+        rows of every later depth are then kept too (Candidates.q_logp). root_host: the root's children as
+        HostCandidates where the caller read them already (a depth-1 round then reads nothing)."""
         k = self.config.draft_top_k
         dev = root_ids.device
         first_pars, first_deps = _first_depth(k, dev)
@@ -251,7 +256,7 @@ class Drafter:
             # Most rounds on a CPU draft depth 1 only (the cost model's choice): the root's children, as they came.
             # Why a path of its own: the general one below costs ~0.2-0.3 ms of small tensor operations a round
             # (cold caches after a verification) for tensors that depth 1 never feeds.
-            cands = Candidates(root_ids, first_pars, first_deps, root_scores)
+            cands = Candidates(root_ids, first_pars, first_deps, root_scores, host=root_host)
             if root_q is not None:
                 cands.q_logp, cands.layout = root_q[None], [(0, 0)]
             if self._plan is not None:

@@ -266,9 +266,11 @@ class Engine:
                                       skip_guards=True, state=top_k) if head is not None else None
         # the rejection sampling inside the sampled call: cpugemm's kernel where it is built (CPU), else tensor ops
         self._draws_kernel = self.packed_gemm
-        self._no_ids = torch.zeros(0, dtype=torch.long, device=self.device)
-        self._draft_of = self._no_ids
-        if self._draft_ids is not None:  # target id -> draft-vocabulary index, -1 outside it
+        # the kernel's view of the draft vocabulary: its target ids, and target id -> its index (-1 outside it); both
+        # empty where the head drafts the full vocabulary
+        self._kernel_ids = self._draft_of = torch.zeros(0, dtype=torch.long, device=self.device)
+        if self._draft_ids is not None:
+            self._kernel_ids = self._draft_ids
             self._draft_of = torch.full((w.shape[0],), -1, dtype=torch.long, device=self.device)
             self._draft_of[self._draft_ids] = torch.arange(self._draft_ids.numel(), device=self.device)
         self._fused_sampled_call = StaticCall(self._fused_sampled_fn, model, mode, "verify+catch-up, sampled", packed,
@@ -417,9 +419,9 @@ class Engine:
         slot under the tree's mask. On the nodes greedy acceptance keeps, that argmax is the next accepted
         token (or the bonus), and their ancestors are the accepted ones: exactly the pairs the catch-up would
         feed, in the slots it would write once the accepted path is moved into place (_move_both). The other
-        nodes' entries are dropped like the target's. Returns the target's (features, argmax) and every
-        node's head output and top-k (scores, target ids): the last accepted node's start the next round; and
-        the argmax and the top-k again as one float64 block, the round's one read to the host."""
+        nodes' entries are dropped like the target's. Returns every node's head output and top-k (scores,
+        target ids), the last accepted node's starting the next round, and the host's block: each node's argmax
+        and top-k as one float64 tensor, the round's one read."""
         feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
         amax = logits[0].argmax(-1)
         out = self.head.first(self.model.embed_tokens(amax[None]), feats, positions, mask=mask, cache_start=slots)[0]
@@ -428,7 +430,7 @@ class Engine:
         # what the host reads of the round, in one block: each node's argmax, then its children's scores and ids
         # (ids < 2**53 and float32 scores are exact in float64)
         host = torch.cat([amax[:, None].double(), top.values.double(), ids.double()], dim=1)
-        return feats[0], amax, out, top.values, ids, host
+        return out, top.values, ids, host
 
     def _fused_sampled_fn(self, tokens, positions, temperature, q_logp, kids, kid_ok, u, *, slots, mask):
         """A sampled round's verification with the head's catch-up and depth 1 in the same call (sampled drafts,
@@ -436,21 +438,21 @@ class Engine:
         verify_sampled's rule (tree_draws: the token that follows the node if it is accepted, from the target's
         distribution; a child is accepted exactly when it is its parent's draw). The rejection sampling runs here
         on uniforms the caller drew, so the head can be fed (feature, next token) before the host knows the
-        path. Returns the target's features, every node's draw, the head's output and its log-probabilities at
-        the draft temperature (the next round draws its children from the last accepted node's row)."""
+        path. Returns every node's draw, the head's output and its log-probabilities at the draft temperature (the
+        next round draws its children from the last accepted node's row)."""
         feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
         p = torch.softmax(logits[0].float() / temperature[0, :, None], dim=-1)  # target_probs, no filter
         q = q_logp[0].float().exp()
         if self._draws_kernel:
-            ids = self._draft_ids if self._draft_ids is not None else self._no_ids
-            draws = torch.ops.eaglespec.tree_draws(p, q, ids, self._draft_of, kids[0], kid_ok[0], u[0])
+            draws = torch.ops.eaglespec.tree_draws(p, q, self._kernel_ids, self._draft_of, kids[0], kid_ok[0],
+                                                   u[0])
         else:
             if self._draft_ids is not None:
                 q = torch.zeros(q.shape[0], p.shape[-1], device=q.device).index_copy(1, self._draft_ids, q)
             draws = tree_draws(p, q, kids[0], kid_ok[0], u[0])
         out = self.head.first(self.model.embed_tokens(draws[None]), feats, positions, mask=mask, cache_start=slots)[0]
         lq = self._draft_logprobs(out, 1.0 / temperature[0, :, None])
-        return feats[0], draws, out, lq
+        return draws, out, lq
 
     def _move_fn(self, src, dst):
         self.model.cache.move_slots(src, dst)
@@ -804,7 +806,7 @@ class Engine:
         tokens_in, positions = tree.tokens[None], (cur + tree.depths)[None]
         if way == "sampled-fused":
             rows, ranks = self._sampled_rows(cands, tree)
-            _, draws, h_out, h_lq = self._fused_sampled_call(
+            draws, h_out, h_lq = self._fused_sampled_call(
                 tokens_in, positions, *self._tree_draw_inputs(cands, tree, rows, ranks, params, gen),
                 cache_start=cur, t=n, mask=mask)
             draws = draws.tolist()  # the round's one read: every node's next token, drawn by verify_sampled's rule
@@ -816,8 +818,7 @@ class Engine:
                 return h_out[path[-1]], scores[0], ids[0], lq[0], None
             return path, bonus, new, next_root
         if way == "fused":
-            _, _, h_out, h_scores, h_ids, h_host = self._fused_call(tokens_in, positions, cache_start=cur, t=n,
-                                                                   mask=mask)
+            h_out, h_scores, h_ids, h_host = self._fused_call(tokens_in, positions, cache_start=cur, t=n, mask=mask)
             rows = h_host.tolist()  # the round's one read: every node's argmax and top-k
             path, bonus, new = greedy_accept(tree, [int(r[0]) for r in rows])
             last, k = path[-1], self.tree.draft_top_k
@@ -945,11 +946,11 @@ class Engine:
             kid_ok[0, 0, :min(k, n - 1)] = True
             u = torch.rand(1, n, k + 1, dtype=torch.float64, device=dev)
             draws = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids, kid_ok, u,
-                                             cache_start=context, t=n, mask=mask)[1]
+                                             cache_start=context, t=n, mask=mask)[0]
             draws.tolist()
             return
         if fused:
-            amax = self._fused_call(toks[None], pos[None], cache_start=context, t=n, mask=mask)[1]
+            amax = self._fused_call(toks[None], pos[None], cache_start=context, t=n, mask=mask)[3]
         else:
             amax = self._verify_forward(toks, pos, context, mask)[2]
         amax.tolist()

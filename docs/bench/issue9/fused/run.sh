@@ -9,10 +9,10 @@ mkdir -p $O
 .venv/bin/eaglespec calibrate --reps 31 --json > $O/calibrate.json
 .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle,eagle-unfused --max-new-tokens 128 \
   --temperature 0 --no-progress --json $O/mt80-T0.json --report $O/mt80-T0 > $O/mt80-T0.txt
-.venv/bin/python docs/bench/issue9/fused/summary.py $O/calibrate.json $O/mt80-T0.json | tee $O/summary.txt
+.venv/bin/python docs/bench/issue9/summary.py $O/calibrate.json $O/mt80-T0.json | tee $O/summary.txt
 # T = 1 (sampled drafts; rounds keep the separate catch-up): the same turns, to check that nothing moved there
 if [ "${T1:-0}" = 1 ]; then
   .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 \
     --temperature 1 --no-progress --json $O/mt80-T1.json --report $O/mt80-T1 > $O/mt80-T1.txt
-  .venv/bin/python docs/bench/issue9/fused/summary.py $O/calibrate.json $O/mt80-T1.json | tail -3 | tee -a $O/summary.txt
+  .venv/bin/python docs/bench/issue9/summary.py $O/calibrate.json $O/mt80-T1.json | tail -4 | tee -a $O/summary.txt
 fi

@@ -7,7 +7,7 @@
 #   bash docs/bench/issue9/online/run.sh [OUT_DIR]
 set -euo pipefail
 O=${1:-docs/bench/issue9/online}
-S=docs/bench/issue9/sampled-fused/summary.py
+S=docs/bench/issue9/summary.py
 mkdir -p $O
 .venv/bin/eaglespec calibrate --reps 31 --json > $O/calibrate.json
 .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle-online,eagle --max-new-tokens 128 \

@@ -1,5 +1,6 @@
-"""Prints the calibration (T(n), the greedy and sampled fused calls) and each method's speed-up, tau, round and
-draft cost, over all questions and over the first 20 (tokens / time summed over them, as the bench does)."""
+"""Prints a calibration (T(n), the greedy and sampled fused calls, as T(n)/T(1)) and each benchmarked method's speed-up,
+tau, round and draft cost, over all questions and over the first 20 (tokens and time summed over them, as the bench
+does). Shared by the issue-9 run scripts: python docs/bench/issue9/summary.py CALIBRATE_JSON BENCH_JSON..."""
 import json
 import sys
 from collections import defaultdict

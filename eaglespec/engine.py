@@ -278,6 +278,7 @@ class Engine:
             if head is not None else None
         self._move_both = (compile_fn(self._move_both_fn, mode, packed) if mode is not None
                            else self._move_both_fn) if head is not None else None
+        self._move_bufs: tuple = ((), [])  # the caches, and their buffers for cpugemm's move_slots
         self._cost_table = cost_table
         self.policy: TreePolicy | None = None  # the latest top-k drafts' policy (for callers that inspect it)
         self._policies: dict[tuple, TreePolicy] = {}  # (sampled drafts, fused catch-up, online costs) -> policy
@@ -500,10 +501,14 @@ class Engine:
     def _prefill(self, ids: list[int], timers: _Timers):
         t0 = time.perf_counter()
         x = torch.tensor([ids], device=self.device)
-        feats, logits = self._target_forward(x, torch.arange(len(ids), device=self.device)[None], cache_start=0)
+        aux = getattr(self.head, "aux_layers", None)
+        # the LM head on the last position only: over every prompt position it was ~15 % of a prefill
+        out = self.model(x, torch.arange(len(ids), device=self.device)[None], cache_start=0, logits=False,
+                         aux_layers=aux)
+        logits = self.model.lm_head(out[0][0, -1:])[0]
         _sync(self.device)
         timers.prefill += time.perf_counter() - t0
-        return feats[0], logits[0, -1]
+        return (out[0] if aux is None else out[2])[0], logits
 
     def _verify_forward(self, tokens: torch.Tensor, positions: torch.Tensor, cur: int, mask=None):
         return self._target_call(tokens[None], positions[None], cache_start=cur, t=tokens.numel(), mask=mask)
@@ -850,12 +855,22 @@ class Engine:
         accepted = len(path)
         if path == list(range(accepted)):  # every accepted node is in its slot already: no call
             return
-        dev = self.device
-        src = torch.tensor(path + list(range(accepted, self._pad)), device=dev)
-        dst = torch.arange(self._pad, device=dev)
-        src[accepted:] = dst[accepted:] + n  # padding: slots past the tree copy onto themselves, harmlessly
-        dst[accepted:] += n
-        (self._move_both if both else self._move)(cur + src, cur + dst)
+        # padding to the fixed count: slots past the tree copy onto themselves, harmlessly
+        pad = [cur + n + i for i in range(accepted, self._pad)]
+        slots = torch.tensor([[cur + i for i in path] + pad, list(range(cur, cur + accepted)) + pad],
+                             device=self.device)
+        self._move_slots(slots[0], slots[1], both)
+
+    def _move_slots(self, src: torch.Tensor, dst: torch.Tensor, both: bool) -> None:
+        """Copy the cache slots src onto dst in the target's cache (and the head's, with both)."""
+        if not self._draws_kernel:  # cpugemm's kernel is built where the CPU GEMM is: else the compiled graph
+            (self._move_both if both else self._move)(src, dst)
+            return
+        caches = (self.model.cache, self.head.cache) if both else (self.model.cache,)
+        held = self._move_bufs[0]
+        if len(held) != len(caches) or any(a is not b for a, b in zip(held, caches)):  # rebuilt for a longer context
+            self._move_bufs = caches, [b for c in caches for i in range(c.n_layers) for b in c.layer(i)]
+        torch.ops.eaglespec.move_slots(self._move_bufs[1], src, dst)
 
     def _plain_round(self, root, cur, params, gen, timers, pending) -> list[int]:
         """One plain decoding step inside an EAGLE generation (the switch says speculating does not pay):
@@ -919,9 +934,10 @@ class Engine:
                 self.time_draft_call("first" if kind == "catch-up" else "step", 64, n)
         if self.head is not None:
             p = self._pad
-            self._move(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
-            if self._move_both is not None:
-                self._move_both(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
+            if not self._draws_kernel:  # else cpugemm's move_slots: nothing to compile
+                self._move(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
+                if self._move_both is not None:
+                    self._move_both(torch.arange(p, device=self.device), torch.arange(p, device=self.device))
             if self._auto_tree():
                 self._table()  # load (and spot-check) the cost table now, not inside the first timed round
         if progress:

@@ -540,3 +540,24 @@ def test_tree_draws_kernel_draws_as_its_reference_and_checks_its_inputs():
         bad = torch.tensor([[int((of < 0).nonzero()[0]), 0, 0, 0]])
         torch.ops.eaglespec.tree_draws(p[:1], q[:1], ids, of, bad, torch.tensor([[True, False, False, False]]),
                                        u[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_move_slots_kernel_equals_index_copy_and_checks_its_inputs(dtype):
+    """cpugemm's move_slots (the cache compaction after a verification) copies exactly as KVCache.move_slots'
+    gather-then-index_copy_ does, for every buffer, also where sources and destinations overlap."""
+    g = torch.Generator().manual_seed(0)
+    bufs = [torch.randn(1, 3, 40, 8, generator=g).to(dtype) for _ in range(4)] + [torch.randn(2, 1, 40, 4, generator=g)]
+    want = [b.clone() for b in bufs]
+    src = torch.tensor([11, 10, 15, 13, 14, 30])  # overlaps dst: slots 10 and 11 swap, 13 stays
+    dst = torch.tensor([10, 11, 12, 13, 33, 34])
+    for b in want:
+        b.index_copy_(2, dst, b.index_select(2, src))
+    torch.ops.eaglespec.move_slots(bufs, src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, want))
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.eaglespec.move_slots(bufs, torch.tensor([40]), torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.eaglespec.move_slots([bufs[0].transpose(1, 2)], src, dst)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.eaglespec.move_slots(bufs, src.int(), dst)

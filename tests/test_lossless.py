@@ -13,7 +13,7 @@ import torch
 from eaglespec.engine import Engine
 from eaglespec.head import EagleHead, random_head
 from eaglespec.loading import load_target
-from eaglespec.model import KVCache
+from eaglespec import cpugemm
 from eaglespec.sampling import SamplingParams, target_probs
 from eaglespec.testing import FAMILIES, exact_continuations, random_prompts  # noqa: F401 - test_ngram, test_eagle3 import them from here
 from eaglespec.tree import Drafter, HostCandidates, Tree, TreeConfig, ancestor_mask, top_by_score, tree_from_host
@@ -71,15 +71,16 @@ def good(make_oracle_pair):
 
 @pytest.fixture
 def moves(monkeypatch):
-    """Records every cache compaction that really moves slots (the accepted path was not contiguous)."""
-    real, seen = KVCache.move_slots, []
+    """Records every cache compaction that really moves slots (the accepted path was not contiguous), by either
+    route: cpugemm's move_slots kernel or the compiled graph (KVCache.move_slots)."""
+    real, seen = Engine._move_slots, []
 
-    def move(self, src, dst):
+    def move(self, src, dst, both):
         if not torch.equal(src, dst):
-            seen.append(src.tolist())
-        return real(self, src, dst)
+            seen.append((src.tolist(), bool(self._draws_kernel)))
+        return real(self, src, dst, both)
 
-    monkeypatch.setattr(KVCache, "move_slots", move)
+    monkeypatch.setattr(Engine, "_move_slots", move)
     return seen
 
 
@@ -94,6 +95,8 @@ def test_good_head_accepts_several_tokens_and_is_lossless(kind, good, moves, sam
         assert sum(r.accept_lengths[:-1]) + 1 < r.new_tokens <= sum(r.accept_lengths) + 1
     if kind != "chain":  # a chain's accepted path is always contiguous; a tree's usually is not
         assert len(moves) > 10
+        # where cpugemm is built, its move_slots kernel did the moving (the compiled graph elsewhere)
+        assert {kernel for _, kernel in moves} == {cpugemm.why_unavailable() is None}
 
 
 def counting(calls: Counter, name: str, fn):
@@ -149,9 +152,9 @@ def test_head_with_a_draft_vocabulary_drafts_only_it_and_is_lossless(good, monke
 
 def test_broken_cache_compaction_is_caught(good, monkeypatch, same_or_tie):
     """If the accepted path's K/V were left where the tree put them, outputs would differ: the
-    lossless check above does exercise KVCache.move."""
+    lossless check above does exercise the compaction (Engine._move_slots, by either route)."""
     model, head, prompts, vanilla = good
-    monkeypatch.setattr(KVCache, "move_slots", lambda self, src, dst: None)
+    monkeypatch.setattr(Engine, "_move_slots", lambda self, src, dst, both: None)
     engine = Engine(model, head=head, tree=TreeConfig(kind="dynamic"))
     caught = 0
     for prompt, want in zip(prompts[:10], vanilla):

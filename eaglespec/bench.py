@@ -70,13 +70,15 @@ def register_method(name: str):
     return add
 
 
-def engine_method(method: str, tree_kind: str | None = None, **settings):
+def engine_method(method: str, tree_kind: str | None = None, ngram: int | None = None, **settings):
     """A factory for one of our engine's methods, optionally with another tree shape and other engine settings
     for its generations (restored after each): at T > 0 the other way of drafting (draft_sampling: sampled
     from the head, or its top-k), the head's catch-up as a call of its own (fuse_catchup False), or the tree
-    sized by the cost table corrected by the times rounds measure (online_costs True)."""
+    sized by the cost table corrected by the times rounds measure (online_costs True). ngram: another longest
+    n-gram chain (0: none)."""
     def factory(engine, model):
         tree = replace(engine.tree, kind=tree_kind) if tree_kind else engine.tree
+        tree = replace(tree, ngram=ngram) if ngram is not None else tree
 
         def run(input_ids, max_new_tokens, temperature, seed):
             base, engine.tree = engine.tree, tree
@@ -109,6 +111,8 @@ register_method("eagle-topk")(engine_method("eagle", draft_sampling=False))
 register_method("eagle-unfused")(engine_method("eagle", fuse_catchup=False))
 # trees sized by the cost table corrected by the verification times the rounds measure (Engine.online_costs)
 register_method("eagle-online")(engine_method("eagle", online_costs=True))
+# no n-gram chain beside the head's drafts, for its A/B (since the thirty-third session it rides at T > 0 too)
+register_method("eagle-nongram")(engine_method("eagle", ngram=0))
 
 
 @register_method("hf")

@@ -1023,20 +1023,22 @@ int64_t draw_index(const float* p, int64_t V, double u, std::vector<double>& blo
 }
 
 at::Tensor tree_draws(const at::Tensor& p, const at::Tensor& q, const at::Tensor& draft_ids, const at::Tensor& draft_of,
-                      const at::Tensor& kids, const at::Tensor& kid_ok, const at::Tensor& u) {
-  TORCH_CHECK(p.dim() == 2 && q.dim() == 2 && kids.dim() == 2 && u.dim() == 2, "tree_draws: 2-D inputs");
+                      const at::Tensor& kids, const at::Tensor& kid_ok, const at::Tensor& det, const at::Tensor& u) {
+  TORCH_CHECK(p.dim() == 2 && q.dim() == 2 && kids.dim() == 2 && u.dim() == 2 && det.dim() == 1, "tree_draws: 2-D inputs");
   TORCH_CHECK(p.scalar_type() == at::kFloat && q.scalar_type() == at::kFloat && u.scalar_type() == at::kDouble &&
-              kids.scalar_type() == at::kLong && kid_ok.scalar_type() == at::kBool, "tree_draws: dtypes");
+              kids.scalar_type() == at::kLong && kid_ok.scalar_type() == at::kBool && det.scalar_type() == at::kLong,
+              "tree_draws: dtypes");
   int64_t n = p.size(0), V = p.size(1), Vq = q.size(1), K = kids.size(1);
   bool reduced = draft_ids.numel() > 0;
   TORCH_CHECK(q.size(0) == n && kids.size(0) == n && kid_ok.sizes() == kids.sizes() && u.size(0) == n &&
-              u.size(1) == K + 1 && (reduced ? draft_ids.numel() == Vq && draft_of.numel() == V : Vq == V),
-              "tree_draws: shapes");
+              det.size(0) == n && u.size(1) == K + 2 &&
+              (reduced ? draft_ids.numel() == Vq && draft_of.numel() == V : Vq == V), "tree_draws: shapes");
   auto pc = p.contiguous(), qc = q.contiguous(), kc = kids.contiguous(), oc = kid_ok.contiguous(), uc = u.contiguous();
-  auto ic = draft_ids.contiguous(), fc = draft_of.contiguous();
+  auto ic = draft_ids.contiguous(), fc = draft_of.contiguous(), dc = det.contiguous();
   const float *pp = pc.data_ptr<float>(), *qp = qc.data_ptr<float>();
   const int64_t *kp = kc.data_ptr<int64_t>(), *ids = reduced ? ic.data_ptr<int64_t>() : nullptr,
-                *of = reduced ? fc.data_ptr<int64_t>() : nullptr;
+                *of = reduced ? fc.data_ptr<int64_t>() : nullptr, *dp = dc.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(dp[j] < V, "tree_draws: a chain token outside the vocabulary");
   const bool* okp = oc.data_ptr<bool>();
   const double* up = uc.data_ptr<double>();
   auto out = at::empty({n}, kids.options());
@@ -1049,31 +1051,50 @@ at::Tensor tree_draws(const at::Tensor& p, const at::Tensor& q, const at::Tensor
       const float* P = pp + j * V;  // the input row until a rejection changes it
       const int64_t* kr = kp + j * K;
       const bool* okr = okp + j * K;
-      const double* ur = up + j * (K + 1);
+      const double* ur = up + j * (K + 2);
       int64_t result = -1;
+      // After a rejection p is kept as pw * scale: a residual changes only the draft vocabulary's entries, so
+      // it costs a pass over those (not the whole vocabulary), and `outside` (the sum of pw off them) stays.
+      float scale = 1.f;
+      double outside = -1;
+      auto own_copy = [&]() {
+        if (P == pw.data()) return;
+        pw.assign(P, P + V);
+        P = pw.data();
+        double inside = 0;
+        for (int64_t i = 0; i < Vq; ++i) inside += pw[reduced ? ids[i] : i];
+        outside = sum_range(pw.data(), 0, V) - inside;
+      };
+      bool trying = true;
+      if (dp[j] >= 0) {  // the chain's token first: all of its proposal's mass on one token (verify.tree_draws)
+        const int64_t x = dp[j];
+        if (ur[K + 1] < P[x]) {
+          result = x;
+          trying = false;
+        } else {
+          double total = sum_range(P, 0, V) - P[x];
+          if (total > 0) {  // the residual: p without x (else p == x's mass up to rounding: draw from p as it is)
+            own_copy();
+            const int64_t xi = reduced ? of[x] : x;
+            if (xi < 0) outside -= pw[x];  // x off the draft vocabulary: its mass leaves `outside`
+            pw[x] = 0.f;
+            scale = (float)(1.0 / total);
+          }
+        }
+      }
       bool any = false;
       for (int64_t r = 0; r < K; ++r) any = any || okr[r];
-      if (any) {
+      if (any && trying) {
         qw.assign(qp + j * Vq, qp + (j + 1) * Vq);
         double qs = sum_range(qw.data(), 0, Vq);
         for (auto& x : qw) x = qs > 0 ? (float)(x / qs) : 0.f;
-        // After a rejection p is kept as pw * scale: a residual changes only the draft vocabulary's entries, so
-        // it costs a pass over those (not the whole vocabulary), and `outside` (the sum of pw off them) stays.
-        float scale = 1.f;
-        double outside = -1;
         for (int64_t r = 0; r < K; ++r) {
           if (!okr[r]) continue;
           int64_t c = kr[r], ci = reduced ? of[c] : c;
           float pt = P[c] * scale, qt = ci >= 0 ? qw[ci] : 0.f;
           if (!(qt > 0)) { bad = true; break; }  // a token the head could not have drawn: the caller's error
           if (ur[r] * qt < pt) { result = c; break; }
-          if (P != pw.data()) {
-            pw.assign(P, P + V);
-            P = pw.data();
-            double inside = 0;
-            for (int64_t i = 0; i < Vq; ++i) inside += pw[reduced ? ids[i] : i];
-            outside = sum_range(pw.data(), 0, V) - inside;
-          }
+          own_copy();
           double residual = 0;
           for (int64_t i = 0; i < Vq; ++i) residual += std::max(pw[reduced ? ids[i] : i] * scale - qw[i], 0.f);
           double total = outside * scale + residual;
@@ -1132,7 +1153,7 @@ TORCH_LIBRARY(eaglespec, m) {
   m.def("small_attention(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor");
   m.def("quant_mm(Tensor x, Tensor packed, int n, int kind) -> Tensor");
   m.def("quant_mm8(Tensor x, Tensor packed, Tensor panels, int n, int kind, int max_rows) -> Tensor");
-  m.def("tree_draws(Tensor p, Tensor q, Tensor draft_ids, Tensor draft_of, Tensor kids, Tensor kid_ok, Tensor u) -> Tensor");
+  m.def("tree_draws(Tensor p, Tensor q, Tensor draft_ids, Tensor draft_of, Tensor kids, Tensor kid_ok, Tensor det, Tensor u) -> Tensor");
   m.def("move_slots(Tensor(a!)[] bufs, Tensor src, Tensor dst) -> ()");
 }
 TORCH_LIBRARY_IMPL(eaglespec, CPU, m) {
@@ -1217,7 +1238,7 @@ def _load() -> str | None:
         return x.new_empty((*x.shape[:-1], n))
 
     @torch.library.register_fake("eaglespec::tree_draws")
-    def _(p, q, draft_ids, draft_of, kids, kid_ok, u):
+    def _(p, q, draft_ids, draft_of, kids, kid_ok, det, u):
         return kids.new_empty(kids.shape[:1])
 
     return None

@@ -294,7 +294,8 @@ class Engine:
         self._top_inputs: dict = {}
         self.warmed_for: bool | None = None  # the last warmup's `greedy`
         self._switch: SpecSwitch | None = None
-        self._ngram: NgramProposer | None = None
+        self._ngram: NgramProposer | None = None  # the running generation's (greedy or sampled rounds')
+        self._ngrams: dict[bool, NgramProposer] = {}
 
     @classmethod
     def load(cls, model: str | None = None, head: str | None = None, device=None, dtype=None,
@@ -433,24 +434,25 @@ class Engine:
         host = torch.cat([amax[:, None].double(), top.values.double(), ids.double()], dim=1)
         return out, top.values, ids, host
 
-    def _fused_sampled_fn(self, tokens, positions, temperature, q_logp, kids, kid_ok, u, *, slots, mask):
+    def _fused_sampled_fn(self, tokens, positions, temperature, q_logp, kids, kid_ok, det, u, *, slots, mask):
         """A sampled round's verification with the head's catch-up and depth 1 in the same call (sampled drafts,
         T > 0, no top-k / top-p filter): as _fused_fn, with the argmax replaced by each node's draw under
         verify_sampled's rule (tree_draws: the token that follows the node if it is accepted, from the target's
         distribution; a child is accepted exactly when it is its parent's draw). The rejection sampling runs here
         on uniforms the caller drew, so the head can be fed (feature, next token) before the host knows the
-        path. Returns every node's draw, the head's output and its log-probabilities at the draft temperature (the
-        next round draws its children from the last accepted node's row)."""
+        path. det: per node, the n-gram chain's child tried first (-1: none). Returns every node's draw, the head's
+        output and its log-probabilities at the draft temperature (the next round draws its children from the last
+        accepted node's row)."""
         feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
         p = torch.softmax(logits[0].float() / temperature[0, :, None], dim=-1)  # target_probs, no filter
         q = q_logp[0].float().exp()
         if self._draws_kernel:
             draws = torch.ops.eaglespec.tree_draws(p, q, self._kernel_ids, self._draft_of, kids[0], kid_ok[0],
-                                                   u[0])
+                                                   det[0], u[0])
         else:
             if self._draft_ids is not None:
                 q = torch.zeros(q.shape[0], p.shape[-1], device=q.device).index_copy(1, self._draft_ids, q)
-            draws = tree_draws(p, q, kids[0], kid_ok[0], u[0])
+            draws = tree_draws(p, q, kids[0], kid_ok[0], u[0], det[0])
         out = self.head.first(self.model.embed_tokens(draws[None]), feats, positions, mask=mask, cache_start=slots)[0]
         lq = self._draft_logprobs(out, 1.0 / temperature[0, :, None])
         return draws, out, lq
@@ -601,12 +603,13 @@ class Engine:
         return tree_from_host(root, host, keep, self.device)
 
     def _sampled_rows(self, cands, tree: Tree) -> tuple[list[int], list[int]]:
-        """Sampled drafts: per tree node, the q_logp row it was drawn from and its rank among its siblings."""
+        """Sampled drafts: per tree node, the q_logp row it was drawn from and its rank among its siblings (-1 for
+        the n-gram chain's own nodes, which the head did not draw)."""
         keep, k = self._round[0], self.tree.draft_top_k
         depths = tree.host_lists()[2]
         rows, ranks = [0], [0]
         for j, c in enumerate(keep, 1):
-            row, rank = cands.row_and_rank(c, depths[j], k)
+            row, rank = cands.row_and_rank(c, depths[j], k) if c < len(cands) else (0, -1)
             rows.append(row)
             ranks.append(rank)
         return rows, ranks
@@ -614,20 +617,34 @@ class Engine:
     def _tree_draw_inputs(self, cands, tree: Tree, rows: list[int], ranks: list[int], params: SamplingParams,
                           gen: torch.Generator):
         """_fused_sampled_fn's inputs past the tree: per node, the temperature, the draft distribution its children
-        were drawn from (q_logp's row), their tokens in the order tried (their rank) and which exist, and fresh
-        uniforms from the generation's generator for the trials and the final draw (tree_draws)."""
+        were drawn from (q_logp's row), their tokens in the order tried (their rank) and which exist, the n-gram
+        chain's child (-1: none; tried first, as a proposal of all its mass on one token, whether or not the head
+        drew the same token: tree_draws), and fresh uniforms from the generation's generator for the trials, the
+        final draw and the chain's trial."""
         n, k, dev = len(tree), self.tree.draft_top_k, self.device
         tokens = tree.host_lists()[0]
         kid_tok, kid_ok, q_row = [[0] * k for _ in range(n)], [[False] * k for _ in range(n)], [0] * n
+        det = [-1] * n
+        chain = self._chain_nodes(tree)
         for j, kids in enumerate(tree.children()):
-            for c in kids:  # siblings were drawn without replacement: distinct ranks below k
-                kid_tok[j][ranks[c]], kid_ok[j][ranks[c]] = tokens[c], True
-            if kids:
-                q_row[j] = rows[kids[0]]
+            for c in kids:
+                if c in chain:
+                    det[j] = tokens[c]
+                if ranks[c] >= 0:  # the head's: siblings were drawn without replacement, distinct ranks below k
+                    kid_tok[j][ranks[c]], kid_ok[j][ranks[c]] = tokens[c], True
+                    q_row[j] = rows[c]
         q = cands.q_logp.index_select(0, torch.tensor(q_row, device=dev))
-        u = torch.rand(1, n, k + 1, generator=gen, dtype=torch.float64, device=dev)
+        u = torch.rand(1, n, k + 2, generator=gen, dtype=torch.float64, device=dev)
         return (torch.full((1, n), params.temperature, device=dev), q[None], torch.tensor([kid_tok], device=dev),
-                torch.tensor([kid_ok], device=dev), u)
+                torch.tensor([kid_ok], device=dev), torch.tensor([det], device=dev), u)
+
+    def _chain_nodes(self, tree: Tree) -> frozenset:
+        """The tree nodes the n-gram chain proposed this round (tree node j > 0 is candidate keep[j - 1])."""
+        keep, nodes, _ = self._round
+        if not nodes:
+            return frozenset()
+        mine = set(nodes)
+        return frozenset(j for j, c in enumerate(keep, 1) if c in mine)
 
     def _learn(self, path: list[int], policy: TreePolicy | None) -> None:
         """After verification: calibrate the tree policy on the head's nodes and the n-gram proposer on
@@ -655,6 +672,7 @@ class Engine:
         self.forget_policies()
         self._switch = None
         self._ngram = None
+        self._ngrams = {}
         self._ranks = None
 
     def forget_policies(self) -> None:
@@ -706,13 +724,17 @@ class Engine:
         self._switch = SpecSwitch(self._table().t_verify(1), self._pad)
         return self._switch
 
-    def _get_ngram(self) -> NgramProposer | None:
+    def _get_ngram(self, sampled: bool = False) -> NgramProposer | None:
+        """The n-gram proposer of greedy or of sampled rounds: each calibrates its chain's acceptance on its own
+        rounds (a chain token is accepted far less often when the target samples)."""
         if not (self.tree.ngram and self.tree.kind == "dynamic"):
             return None
         limit = self.tree.ngram  # within the catch-up's fixed length (_pad = tree.max_accept + 1)
-        if self._ngram is None or self._ngram.max_len != limit:
-            self._ngram = NgramProposer(limit)
-        return self._ngram
+        proposer = self._ngrams.get(sampled)
+        if proposer is None or proposer.max_len != limit:
+            proposer = self._ngrams[sampled] = NgramProposer(limit)
+        self._ngram = proposer
+        return proposer
 
     def auto_buckets(self) -> tuple[int, ...]:
         return tuple(b for b in AUTO_BUCKETS if b <= self.tree.max_nodes) or (self.tree.max_nodes,)
@@ -729,8 +751,9 @@ class Engine:
                else "fused" if params.greedy and self.fuses_catchup else "separate")
         policy = self._get_policy(sampled is not None, way != "separate")
         drafter = Drafter(self._expand_call, self.tree)
-        # the n-gram chain's tokens are not drawn from the head: verify_sampled has no rule for them
-        ngram = self._get_ngram() if sampled is None else None
+        # the n-gram chain's tokens are not drawn from the head: verify_sampled (filtered sampling) has no rule for
+        # them; tree_draws tries each as a proposal of all its mass on one token
+        ngram = None if sampled is not None and way != "sampled-fused" else self._get_ngram(not params.greedy)
         feats, logits = self._prefill(ids, timers)
         root = next_token(logits, params, gen)
         yield [root]
@@ -816,7 +839,7 @@ class Engine:
                 cache_start=cur, t=n, mask=mask)
             draws = draws.tolist()  # the round's one read: every node's next token, drawn by verify_sampled's rule
             path, bonus, new = greedy_accept(tree, draws)
-            sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks))
+            sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks, self._chain_nodes(tree)))
 
             def next_root():  # the last accepted node's head row; its children drawn from the head's distribution
                 scores, ids, lq = self._children_of(h_lq[path[-1]][None], *inputs(1, 1))
@@ -960,9 +983,10 @@ class Engine:
             kids = kids.expand(1, n, k).contiguous()
             kid_ok = torch.zeros(1, n, k, dtype=torch.bool, device=dev)
             kid_ok[0, 0, :min(k, n - 1)] = True
-            u = torch.rand(1, n, k + 1, dtype=torch.float64, device=dev)
-            draws = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids, kid_ok, u,
-                                             cache_start=context, t=n, mask=mask)[0]
+            det = torch.full((1, n), -1, dtype=torch.long, device=dev)
+            u = torch.rand(1, n, k + 2, dtype=torch.float64, device=dev)
+            draws = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids, kid_ok, det,
+                                             u, cache_start=context, t=n, mask=mask)[0]
             draws.tolist()
             return
         if fused:

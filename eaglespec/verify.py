@@ -129,7 +129,7 @@ def verify_sampled(tree: Tree, logits: torch.Tensor, params: SamplingParams, gen
 
 
 def tree_draws(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, kid_ok: torch.Tensor,
-               u: torch.Tensor) -> torch.Tensor:
+               u: torch.Tensor, det: torch.Tensor | None = None) -> torch.Tensor:
     """verify_sampled's rule at every tree node at once, as tensor operations (so that it can run inside the
     verification's compiled graph): y[j], the token that follows node j if j is accepted, drawn exactly from the
     target's distribution p_j there. Node j's children are tried in rank order: child x is taken with
@@ -145,7 +145,16 @@ def tree_draws(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, kid_ok: tor
     p (n, V): the target's distribution at each node (target_probs); q (n, V): the draft distribution node j's
     children were drawn from (any row for a node without children); kids (n, K): the children's tokens in the
     order tried, kid_ok (n, K) which of them exist; u (n, K + 1) float64 uniforms, one per trial and one for the
-    final draw, independent of everything else."""
+    final draw, independent of everything else.
+
+    det (n,), optional: a child proposed deterministically (the n-gram chain's token under the node; -1: none),
+    tried before the head's children as a proposal of all its mass on one token: taken with probability p(x),
+    and a rejection leaves p without x, renormalised; then the head's children are tried on that residual as
+    above (one of them may be x itself: its residual mass is 0 then, so it is rejected). Each stage draws from
+    the residual it is given whatever the earlier coins were, so the node's token still follows p. The chain's
+    token must be tried whether or not the head drew it too: trying it only when the head did not would make the
+    rule depend on the head's draws, and the output would no longer follow p. With det, u has K + 2 columns, the
+    last one for this trial."""
     p = p.float()
     q = q.float()
     q = q / q.sum(-1, keepdim=True).clamp(min=1e-30)
@@ -153,6 +162,15 @@ def tree_draws(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, kid_ok: tor
     y = torch.zeros(n, dtype=torch.long, device=p.device)
     taken = torch.zeros(n, dtype=torch.bool, device=p.device)
     trying = torch.ones(n, dtype=torch.bool, device=p.device)
+    if det is not None:
+        has = det >= 0
+        x = det.clamp(min=0)[:, None]
+        take = has & (u[:, kids.shape[1] + 1] < p.gather(1, x)[:, 0])
+        y, taken = torch.where(take, det, y), take
+        without = p.scatter(1, x, 0.0)
+        total = without.sum(-1, keepdim=True)
+        p = torch.where((has & ~take)[:, None] & (total > 0), without / total.clamp(min=1e-30), p)
+        trying = ~take
     for r in range(kids.shape[1]):
         c = kids[:, r:r + 1]
         live = kid_ok[:, r] & trying
@@ -170,7 +188,7 @@ def tree_draws(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, kid_ok: tor
         q = torch.where(rej[:, None] & (rest > 0), q_left / rest.clamp(min=1e-30), q)
         trying = trying & ~take & ~(rej & ((total[:, 0] <= 0) | (rest[:, 0] <= 0)))
     cdf = p.double().cumsum(-1)
-    at = u[:, -1] * cdf[:, -1]
+    at = u[:, kids.shape[1]] * cdf[:, -1]
     drawn = (cdf <= at[:, None]).sum(-1)  # the first index whose cumulative mass exceeds u: searchsorted(right)
     # u rounded up to the total: the last token with any mass (as `sample`)
     last = torch.where(p > 0, torch.arange(vocab, device=p.device), -1).amax(-1)
@@ -178,14 +196,19 @@ def tree_draws(p: torch.Tensor, q: torch.Tensor, kids: torch.Tensor, kid_ok: tor
     return torch.where(taken, y, drawn)
 
 
-def trials_from_draws(tree: Tree, path: list[int], draws: list[int], node_rank: list[int]) -> list[tuple[int, int, bool]]:
+def trials_from_draws(tree: Tree, path: list[int], draws: list[int], node_rank: list[int],
+                      chain: frozenset = frozenset()) -> list[tuple[int, int, bool]]:
     """The (depth, rank, accepted) of every child tree_draws tried on the accepted path (verify_sampled's
-    `trials`, for RankAcceptance): at each path node its children in rank order up to the one its draw took."""
+    `trials`, for RankAcceptance): at each path node its children in rank order up to the one its draw took.
+    chain: the tree nodes that were tried as det (the n-gram chain's): not the head's trials; a node whose draw
+    took its chain child tried none of the head's."""
     kids = tree.children()
     tokens, _, depths = tree.host_lists()
     trials = []
     for node in path:
-        for c in sorted(kids[node], key=lambda c: node_rank[c]):
+        if any(c in chain and tokens[c] == draws[node] for c in kids[node]):
+            continue
+        for c in sorted((c for c in kids[node] if c not in chain), key=lambda c: node_rank[c]):
             hit = tokens[c] == draws[node]
             trials.append((depths[c], node_rank[c], hit))
             if hit:

@@ -515,31 +515,40 @@ def test_a_bad_quant_mode_is_one_clear_error(monkeypatch):
 def test_tree_draws_kernel_draws_as_its_reference_and_checks_its_inputs():
     """cpugemm's tree_draws against verify.tree_draws on the same uniforms: the same token at every node (the
     sums' order differs, so a uniform within rounding of a boundary may split them; none does here), with a
-    reduced draft vocabulary, nodes without children and tries of every rank. A drafted token the head could
-    not have drawn is refused."""
+    reduced draft vocabulary, nodes without children and tries of every rank, and chain tokens tried first (`det`:
+    none, one the head drew too, one of the draft vocabulary, one off it). A drafted token the head could not have
+    drawn is refused."""
     from eaglespec.verify import tree_draws
     g = torch.Generator().manual_seed(0)
     n, vocab, vq, k = 6, 500, 200, 4
     ids = torch.randperm(vocab, generator=g)[:vq].sort().values
     of = torch.full((vocab,), -1, dtype=torch.long)
     of[ids] = torch.arange(vq)
-    same = total = rejected = 0
+    same = total = rejected = chain_taken = chain_rejected = 0
     for _ in range(300):
         p = torch.softmax(2 * torch.randn(n, vocab, generator=g), -1)
         q = torch.softmax(2 * torch.randn(n, vq, generator=g), -1)
         kid_ok = torch.rand(n, k, generator=g) < 0.6
         kids = ids[torch.multinomial(q, k, generator=g)]  # without replacement, in drawing order
-        u = torch.rand(n, k + 1, generator=g, dtype=torch.float64)
-        got = torch.ops.eaglespec.tree_draws(p, q, ids, of, kids, kid_ok, u)
-        ref = tree_draws(p, torch.zeros(n, vocab).index_copy(1, ids, q), kids, kid_ok, u)
+        u = torch.rand(n, k + 2, generator=g, dtype=torch.float64)
+        kind = torch.randint(0, 4, (n,), generator=g)  # no chain token, the head's first child, any token, p's argmax
+        det = torch.where(kind == 0, -1, torch.where(kind == 1, kids[:, 0], torch.where(
+            kind == 2, torch.randint(0, vocab, (n,), generator=g), p.argmax(-1))))
+        got = torch.ops.eaglespec.tree_draws(p, q, ids, of, kids, kid_ok, det, u)
+        ref = tree_draws(p, torch.zeros(n, vocab).index_copy(1, ids, q), kids, kid_ok, u, det)
         same += int((got == ref).sum())
         total += n
-        rejected += int((kid_ok.any(1) & ~(kids == got[:, None]).any(1)).sum())
-    assert same == total and rejected > total // 4  # and many nodes rejected every child they tried
+        rejected += int((kid_ok.any(1) & ~(kids == got[:, None]).any(1) & (det < 0)).sum())
+        chain_taken += int(((det >= 0) & (got == det)).sum())
+        chain_rejected += int(((det >= 0) & (got != det)).sum())
+    assert same == total and rejected > total // 8  # and many nodes rejected every child they tried
+    assert chain_taken > 20 and chain_rejected > total // 4  # p is flat over 500 tokens: a chain token is rarely taken
     with pytest.raises(RuntimeError, match="no draft probability"):
         bad = torch.tensor([[int((of < 0).nonzero()[0]), 0, 0, 0]])
         torch.ops.eaglespec.tree_draws(p[:1], q[:1], ids, of, bad, torch.tensor([[True, False, False, False]]),
-                                       u[:1])
+                                       torch.tensor([-1]), u[:1])
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        torch.ops.eaglespec.tree_draws(p[:1], q[:1], ids, of, kids[:1], kid_ok[:1], torch.tensor([vocab]), u[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -333,34 +333,38 @@ def _prefix_logits(prefix: tuple, vocab: int, salt: int, scale: float) -> torch.
     return scale * torch.randn(vocab, generator=g)
 
 
-def _draws_by_rule(rule, tree, logits, params, gen, q_rows, rows, ranks, ids, vocab, k=3):
+def _draws_by_rule(rule, tree, logits, params, gen, q_rows, rows, ranks, ids, vocab, k=3, chain=frozenset()):
     """tree_draws on one tree, as the engine feeds it (rule "tensors": the reference, "kernel": cpugemm's):
-    (accepted path, bonus, trials), as verify_sampled returns them."""
+    (accepted path, bonus, trials), as verify_sampled returns them. chain: the tree nodes an n-gram chain proposed
+    (tried first under their parent, as `det`; rank -1 for those the head did not draw)."""
     n, tokens = len(tree), tree.host_lists()[0]
     kid_tok, kid_ok, q_of = torch.zeros(n, k, dtype=torch.long), torch.zeros(n, k, dtype=torch.bool), [0] * n
+    det = torch.full((n,), -1, dtype=torch.long)
     for j, kids in enumerate(tree.children()):
         for c in kids:
-            kid_tok[j, ranks[c]], kid_ok[j, ranks[c]] = tokens[c], True
-        if kids:
-            q_of[j] = rows[kids[0]]
+            if c in chain:
+                det[j] = tokens[c]
+            if ranks[c] >= 0:
+                kid_tok[j, ranks[c]], kid_ok[j, ranks[c]] = tokens[c], True
+                q_of[j] = rows[c]
     p = target_probs(logits, params)
     q = q_rows[q_of].exp()
-    u = torch.rand(n, k + 1, generator=gen, dtype=torch.float64)
+    u = torch.rand(n, k + 2, generator=gen, dtype=torch.float64)
     if rule == "kernel":
         of = torch.full((vocab,), -1, dtype=torch.long)
         ids_ = ids if ids is not None else torch.arange(vocab)
         of[ids_] = torch.arange(len(ids_))
-        draws = torch.ops.eaglespec.tree_draws(p, q, ids_, of, kid_tok, kid_ok, u)
+        draws = torch.ops.eaglespec.tree_draws(p, q, ids_, of, kid_tok, kid_ok, det, u)
     else:
         if ids is not None:
             q = torch.zeros(n, vocab).index_copy(1, ids, q)
-        draws = tree_draws(p, q, kid_tok, kid_ok, u)
+        draws = tree_draws(p, q, kid_tok, kid_ok, u, det)
     draws = draws.tolist()
     path, bonus, _ = greedy_accept(tree, draws)
-    return path, bonus, trials_from_draws(tree, path, draws, ranks)
+    return path, bonus, trials_from_draws(tree, path, draws, ranks, chain)
 
 
-@pytest.mark.parametrize("rule", ["host", "tensors", "kernel"])
+@pytest.mark.parametrize("rule", ["host", "tensors", "kernel", "tensors-chain", "kernel-chain"])
 @pytest.mark.parametrize("name,draft_vocab", [("t1", None), ("t0.7-p0.9-k5", None), ("t1", [0, 2, 3, 5, 7])])
 def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab, rule):
     """verify_sampled, driven like the engine drives it: each round drafts a fixed-shape tree whose children are
@@ -368,7 +372,10 @@ def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab, rule):
     and continues from what was emitted; the first three tokens follow the target's exact joint distribution.
     The tree's shape (3 children at the root, 2 under the first, 1 under the second, 1 below that) is fixed,
     as the engine's is by position scores alone. The same for its in-graph form, every node's draw at once
-    (tree_draws, as tensor operations and as cpugemm's kernel) walked like greedy acceptance."""
+    (tree_draws, as tensor operations and as cpugemm's kernel) walked like greedy acceptance; "-chain": with an
+    n-gram-like chain of two tokens below the root, a fixed function of the prefix (the target's most likely
+    token or an arbitrary one), merged with the head's child where the head drew the same token."""
+    rule, with_chain = rule.removesuffix("-chain"), rule.endswith("-chain")
     if rule == "kernel":
         from eaglespec import cpugemm
         if cpugemm.why_unavailable() is not None:
@@ -402,19 +409,40 @@ def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab, rule):
                 t = int(order[ranks[c]])
                 toks[c], rows[c] = (int(ids[t]) if ids is not None else t), len(q_rows) - 1
                 node_prefix[c] = node_prefix[node] + (toks[c],)
+        parents, node_ranks, chain = list(shape), list(ranks), set()
+        if with_chain:  # two chain tokens below the root, each merged with the head's child of that token if any
+            at = 0
+            for _ in range(2):
+                t = chain_token(node_prefix[at])
+                same = [c for c in range(1, len(toks)) if parents[c] == at and toks[c] == t]
+                if same:
+                    at = same[0]
+                else:
+                    toks.append(t); parents.append(at); node_ranks.append(-1); rows.append(0)
+                    node_prefix.append(node_prefix[at] + (t,))
+                    at = len(toks) - 1
+                chain.add(at)
         depths = [0]
-        for c in range(1, n):
-            depths.append(depths[shape[c]] + 1)
-        tree = Tree(torch.tensor(toks), torch.tensor(shape), torch.tensor(depths))
+        for c in range(1, len(toks)):
+            depths.append(depths[parents[c]] + 1)
+        tree = Tree(torch.tensor(toks), torch.tensor(parents), torch.tensor(depths))
         logits = torch.stack([p_logits(pr) for pr in node_prefix])
         if rule == "host":
             path, bonus, trials = verify_sampled(tree, logits, params, gen, torch.stack(q_rows), rows, ranks, ids)
         else:
-            path, bonus, trials = _draws_by_rule(rule, tree, logits, params, gen, torch.stack(q_rows), rows, ranks,
-                                                 ids, vocab)
-        # every tried child but the last of each node was rejected; an accepted one is on the path
-        assert sum(ok for _, _, ok in trials) == len(path) - 1
+            path, bonus, trials = _draws_by_rule(rule, tree, logits, params, gen, torch.stack(q_rows), rows,
+                                                 node_ranks, ids, vocab, chain=frozenset(chain))
+        # every tried child but the last of each node was rejected; an accepted one is on the path (or the chain's)
+        on_chain = sum(c in chain for c in path[1:])
+        assert sum(ok for _, _, ok in trials) + on_chain == len(path) - 1
+        counted["chain"] += on_chain
         return [toks[i] for i in path[1:]] + [bonus], len(path) - 1
+
+    def chain_token(prefix):
+        logits = p_logits(prefix)
+        return int(logits.argmax()) if hash(prefix) % 2 else hash(prefix + (7,)) % vocab
+
+    counted = Counter()
 
     expected: dict[tuple, float] = {}
 
@@ -437,6 +465,7 @@ def test_sampled_drafts_emit_the_target_distribution(name, draft_vocab, rule):
             prefix += tuple(new)
         counts[tuple(out[:3])] += 1
     assert accepted > 2000  # drafts are accepted, so the test sees acceptance, not only bonus tokens
+    assert not with_chain or counted["chain"] > 1000  # and the chain's tokens too
     assert chi_square_pvalue(counts, expected) > 1e-3
 
 

@@ -110,10 +110,14 @@ def test_ngram_zero_turns_it_off(looping, monkeypatch):
         TreeConfig(ngram=-1)
 
 
+@pytest.mark.parametrize("drafts", ["top-k", "sampled-kernel", "sampled-tensors"])
 @pytest.mark.parametrize("auto", [False, True])
-def test_sampling_with_the_chain_follows_the_target(auto, make_oracle_pair, monkeypatch):
+def test_sampling_with_the_chain_follows_the_target(auto, drafts, make_oracle_pair, monkeypatch):
     """The first three sampled tokens after a repetitive prompt follow the target's exact joint
-    distribution, with chain nodes accepted (and rejected) along the way."""
+    distribution, with chain nodes accepted (and rejected) along the way: beside the head's top-k (`verify`,
+    every candidate a fixed token) and beside drafts sampled from the head, verified inside the verification
+    call (tree_draws, as cpugemm's kernel or as tensor operations: the chain's token tried first, as a proposal
+    of all its mass on one token)."""
     params = SAMPLING["t1"]
     model, _ = make_oracle_pair(vocab_size=8, logit_scale=3.0, noise=0.3)
     head = random_head(model.args, seed=1)  # its drafts rarely match the chain's: the chain's own nodes get verified
@@ -121,7 +125,13 @@ def test_sampling_with_the_chain_follows_the_target(auto, make_oracle_pair, monk
     real = NgramProposer.observe
     monkeypatch.setattr(NgramProposer, "observe", lambda self, d, ok: (seen.extend(ok), real(self, d, ok)))
     engine = Engine(model, head=head, tree=TreeConfig(top_k=2, depth=3, total_tokens=6, auto=auto))
-    engine.draft_sampling = False  # the chain rides with top-k drafts only (verify_sampled has no rule for it)
+    engine.draft_sampling = drafts != "top-k"
+    if drafts == "sampled-kernel" and not engine._draws_kernel:
+        pytest.skip("cpugemm's kernels are not built here")
+    engine._draws_kernel = drafts == "sampled-kernel"
+    if drafts != "top-k":  # the sampled drafts' fused call ran, with chain tokens among its inputs
+        real_call, dets = engine._fused_sampled_call, []
+        engine._fused_sampled_call = lambda *a, **k: (dets.append(int((a[6] >= 0).sum())), real_call(*a, **k))[1]
     prompt = [3, 5, 6, 3, 5, 6, 3, 5]  # this target often samples 6 after 3, 5: the chain gets accepted
     expected = exact_continuations(model, prompt, 3, params)
     counts = Counter()
@@ -129,4 +139,5 @@ def test_sampling_with_the_chain_follows_the_target(auto, make_oracle_pair, monk
         r = engine.generate(input_ids=prompt, max_new_tokens=3, temperature=1.0, seed=seed, ignore_eos=True)
         counts[tuple(r.token_ids)] += 1
     assert sum(seen) > 100 and len(seen) - sum(seen) > 100  # chain nodes both accepted and rejected
+    assert drafts == "top-k" or sum(d > 0 for d in dets) > 300
     assert chi_square_pvalue(counts, expected) > 1e-3

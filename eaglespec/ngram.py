@@ -7,8 +7,10 @@ tokens occurred earlier in the context, the tokens that followed them then are r
 time, and right where the head's two best guesses are both wrong at 12 % of all positions; two such
 tokens in a row are right at 26 % of positions. So each round we attach the continuation of the
 longest earlier match below the root, as one chain, beside the head's candidates. Verification does
-not care who proposed a node: greedy keeps the longest matching path, and recursive rejection sampling
-treats every child as a fixed candidate, so the output stays exactly the target's.
+not care who proposed a node: greedy keeps the longest matching path; with top-k drafts recursive rejection
+sampling treats every child as a fixed candidate; with drafts sampled from the head, the chain's token is
+tried first under its parent, as a proposal of all its mass on one token (verify.tree_draws, `det`). So the
+output stays exactly the target's, token for token or in distribution.
 
 The chain's own nodes are scored with acceptance rates calibrated online (per depth, on nodes that
 only the chain proposed), so the cost-model policy ranks them with the head's candidates and keeps

@@ -16,6 +16,11 @@ a line: key, messages, temperature, source_index, new_tokens, ...); OUT/manifest
 counts. A shard is written to a temporary file and renamed after the manifest names it, so a run
 killed at any moment loses only the shards in flight, and a rerun of the same command continues with
 the unfinished ones. A rerun with other settings is refused.
+
+`--data self` writes the questions too: each conversation's user message is sampled from the target itself,
+given its chat template up to the start of a user turn (Magpie, arXiv 2406.08464), and then answered as any
+other. The training text is then entirely the target's, and as plentiful as the time to write it: a source of
+data once a dataset is used up.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .cpugemm import linear_kinds
-from .data import Conversation, load_conversations, regenerated_shard
+from .data import Conversation, LoadReport, load_conversations, regenerated_shard
 from .model import KVCache, Transformer
 from .sampling import SamplingParams, next_token
 from .stopping import Stopper
@@ -38,7 +43,10 @@ from .stopping import Stopper
 FORMAT = "eaglespec-regenerated"
 # Settings that decide what a shard holds: a resume must repeat them. --max-conversations may grow
 # (the plan of the first shards stays the same) and --batch-size may change (same outputs, ties aside).
-RESUME_KEYS = ("model_fingerprint", "dtype", "data", "temperatures", "max_new_tokens", "max_len", "seed", "shard_size")
+RESUME_KEYS = ("model_fingerprint", "dtype", "data", "temperatures", "max_new_tokens", "max_len", "seed", "shard_size",
+               "prompt_temperature", "prompt_tokens")
+SELF = "self"  # --data self: the target writes the questions too
+SELF_WRITTEN = {"role": "user", "content": None}  # a turn whose question the target writes (plan_turns, Regenerator)
 DEFAULT_BATCH = 32  # a rough check on the shared 2-core CPU (decode steps at 300 tokens of context): 32 rows 4.7x, 16 rows 3.8x one row
 
 
@@ -84,6 +92,11 @@ def conversation_temperature(mix: list[list[float]], seed: int, key: str) -> flo
 
 def conversation_seed(seed: int, key: str, index: int) -> int:
     return int(unit_hash("sample", seed, key, index) * 2**62)
+
+
+def self_conversations(n: int) -> list[Conversation]:
+    """`--data self`: n conversations of one exchange whose question the target writes (keys self-0000000, ...)."""
+    return [Conversation(f"self-{i:07d}", [dict(SELF_WRITTEN)], i) for i in range(n)]
 
 
 def plan_turns(messages: list[dict]) -> list[list[dict]]:
@@ -242,15 +255,19 @@ class Job:
     truncated: bool = False         # questions left unanswered because --max-len was reached
     skipped: str | None = None      # why nothing was written
     gen: torch.Generator | None = None
+    written_prompts: list[int] = field(default_factory=list)  # tokens of each question the target wrote itself
 
     @property
     def new_tokens(self) -> int:
         return sum(map(len, self.token_ids))
 
     def record(self) -> dict:
-        return {"key": self.conv.key, "messages": self.history, "temperature": self.temperature,
-                "source_index": self.conv.index, "new_tokens": self.new_tokens, "prompt_tokens": self.prompt_tokens,
-                "finish": self.finishes, "truncated": self.truncated}
+        rec = {"key": self.conv.key, "messages": self.history, "temperature": self.temperature,
+               "source_index": self.conv.index, "new_tokens": self.new_tokens, "prompt_tokens": self.prompt_tokens,
+               "finish": self.finishes, "truncated": self.truncated}
+        if self.written_prompts:
+            rec["written_prompt_tokens"] = self.written_prompts
+        return rec
 
 
 @dataclass
@@ -261,18 +278,20 @@ class _Row:
     params: SamplingParams
     gen: torch.Generator
     pending: int                    # sampled, not yet fed
+    writes_question: bool = False   # the row writes the turn's user message (--data self), not an answer
 
 
 class Regenerator:
     """Answers Jobs with continuous batching over a BatchDecoder; yields each Job when it is finished."""
 
     def __init__(self, model: Transformer, tokenizer, batch: int, max_len: int, max_new_tokens: int,
-                 compile_mode: str | None = None):
+                 compile_mode: str | None = None, prompt_temperature: float = 1.0, prompt_tokens: int = 128):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the target's tokenizer has no chat template: conversations cannot be rendered")
         self.model, self.tokenizer = model, tokenizer
         self.decoder = BatchDecoder(model, batch, max_len, compile_mode)
         self.max_len, self.max_new_tokens = max_len, max_new_tokens
+        self.prompt_temperature, self.prompt_tokens = prompt_temperature, prompt_tokens
         self.eos = eos_ids(model, tokenizer)
         from .engine import _longest_token_chars
         self._max_chars = max_len * _longest_token_chars(tokenizer)
@@ -294,12 +313,43 @@ class Regenerator:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return (ids, "") if len(ids) < self.max_len else (None, "prompt longer than max-len")
 
+    def encode_question(self, history: list[dict]) -> list[int] | None:
+        """The ids of `history` rendered by the chat template up to where a user message's text starts (the
+        template's own system message included): what the target continues to write a question. None if the
+        template cannot be cut there."""
+        mark = "\x00question\x00"
+        try:
+            text = self.tokenizer.apply_chat_template(history + [{"role": "user", "content": mark}], tokenize=False)
+        except Exception:
+            return None
+        if text.count(mark) != 1:
+            return None
+        ids = self.tokenizer(text[:text.index(mark)], add_special_tokens=False).input_ids
+        return ids if len(ids) < self.max_len else None
+
+    def _begin_question(self, r: int, job: Job, cached: list[int]) -> _Row | None:
+        """Prefill the start of a user turn into row r: the row then writes the question (_take fills the turn)."""
+        ids = self.encode_question(job.history + job.turns[job.turn][:-1])
+        if ids is None:
+            job.skipped = "no place for a question in the chat template"
+            return None
+        logits = self.decoder.prefill(r, ids, common_prefix(cached, ids))
+        self.prefills += 1
+        row = _Row(job, list(ids), Stopper(None, self.eos, False, [], min(self.prompt_tokens, self.max_len - len(ids))),
+                   SamplingParams(self.prompt_temperature), self._generator(job), 0, writes_question=True)
+        return None if self._take(row, next_token(logits, row.params, row.gen)) else row
+
     def _begin(self, r: int, job: Job, cached: list[int]) -> _Row | None:
         """Prefill the job's next turn into row r and take its first token, going on through turns that
         end at once; the row to decode, or None when the job is finished."""
         if not job.turns:
             job.skipped = "no user turn"
         while job.skipped is None and job.turn < len(job.turns):
+            if job.turns[job.turn][-1].get("content", "") is None:  # SELF_WRITTEN: the target writes it
+                row = self._begin_question(r, job, cached)
+                if row is not None or job.skipped is not None:
+                    return row
+                continue  # the question ended at once (filled or skipped): answer it
             history = job.history + job.turns[job.turn]
             ids, why = self.encode(history)
             if ids is None:
@@ -335,6 +385,12 @@ class Regenerator:
             return False
         job, out = row.job, row.stopper.out
         text = self.tokenizer.decode(out, skip_special_tokens=True)  # as Engine's result text
+        if row.writes_question:  # the turn's question is written: the row's next _begin answers it
+            if not text.strip():
+                job.skipped = "the target wrote an empty question"
+            job.turns[job.turn] = job.turns[job.turn][:-1] + [{"role": "user", "content": text}]
+            job.written_prompts.append(len(out))
+            return True
         job.history = job.history + [{"role": "assistant", "content": text}]
         job.finishes.append(row.stopper.finish)
         job.token_ids.append(list(out))
@@ -374,6 +430,7 @@ class Regenerator:
                     tok = amax[i] if row.params.greedy else next_token(logits[i], row.params, row.gen)
                     if not self._take(row, tok):
                         continue
+                    # a written question's tokens are in the cache, EOS aside: its answer's prefill reuses them
                     rows[r] = self._begin(r, row.job, row.cached)
                     if rows[r] is None:
                         yield row.job
@@ -389,9 +446,12 @@ def make_jobs(convs: list[Conversation], mix: list[list[float]], seed: int, shar
 def regenerate_conversations(model: Transformer, tokenizer, convs: list[Conversation], *, temperature: float = 0.0,
                              mix: str | None = None, seed: int = 0, batch_size: int = DEFAULT_BATCH,
                              max_len: int = 1024, max_new_tokens: int = 512,
-                             compile_mode: str | None = None) -> list[Job]:
-    """Answer `convs` in memory (no files); the Jobs in input order, skipped ones included."""
-    regen = Regenerator(model, tokenizer, batch_size, max_len, max_new_tokens, compile_mode)
+                             compile_mode: str | None = None, prompt_temperature: float = 1.0,
+                             prompt_tokens: int = 128) -> list[Job]:
+    """Answer `convs` in memory (no files); the Jobs in input order, skipped ones included. A conversation of
+    self_conversations() gets its question written by the target first (at prompt_temperature)."""
+    regen = Regenerator(model, tokenizer, batch_size, max_len, max_new_tokens, compile_mode, prompt_temperature,
+                        prompt_tokens)
     jobs = make_jobs(convs, parse_mix(None if mix else temperature, mix), seed)
     list(regen.run(jobs))
     return jobs
@@ -404,7 +464,9 @@ def add_cli(sub) -> None:
     p = sub.add_parser("regenerate", help="let the target write the answers of training conversations (batched, resumable)")
     add_model_args(p)
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="sharegpt", help="sharegpt | PATH.json | PATH.jsonl[.gz] | hf:NAME | a regenerate folder")
+    g.add_argument("--data", default="sharegpt",
+                   help="sharegpt | PATH.json | PATH.jsonl[.gz] | hf:NAME | a regenerate folder | self (the target "
+                        "writes the questions too; needs --max-conversations)")
     g.add_argument("--out", required=True, help="output folder (rerun the same command to resume)")
     g.add_argument("--max-conversations", type=int, default=None,
                    help="answer the first N conversations; the records of one split ShareGPT chat count once (default: all)")
@@ -415,6 +477,9 @@ def add_cli(sub) -> None:
                    help="temperatures by share, e.g. '0:0.5,0.7:0.5': each conversation's is drawn from its key "
                         "(default: --temperature for every conversation)")
     s.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer, at most")
+    s.add_argument("--prompt-temperature", type=float, default=1.0,
+                   help="--data self: the temperature the target writes its questions at (default 1)")
+    s.add_argument("--prompt-tokens", type=int, default=128, help="--data self: tokens per written question, at most")
     s.add_argument("--max-len", type=int, default=1024,
                    help="tokens per conversation: no answer runs past it, no question is asked after it")
     s.add_argument("--seed", type=int, default=0, help="for the temperature draws and sampling")
@@ -524,6 +589,12 @@ def check_args(args) -> list[list[float]]:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if getattr(args, "data", None) == SELF:
+        if args.max_conversations is None:
+            raise ValueError("--data self writes its own questions: give --max-conversations N")
+        check_positive(prompt_tokens=args.prompt_tokens)
+        if not args.prompt_temperature > 0:
+            raise ValueError(f"--prompt-temperature must be > 0 (greedy would write one question), got {args.prompt_temperature}")
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
@@ -540,6 +611,9 @@ def new_manifest(args, mix, convs: list[Conversation], report, target, folder) -
         "data": args.data, "max_conversations": args.max_conversations, "temperatures": mix,
         "max_new_tokens": args.max_new_tokens, "max_len": args.max_len, "seed": args.seed,
         "shard_size": args.shard_size, "data_summary": report.summary(len(convs), len({c.key for c in convs})),
+        # only where the target writes the questions (runs before --data self have neither)
+        "prompt_temperature": args.prompt_temperature if args.data == SELF else None,
+        "prompt_tokens": args.prompt_tokens if args.data == SELF else None,
         "conversations_planned": len({c.key for c in convs}), "records_planned": len(convs),
     }
 
@@ -588,7 +662,11 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     from .features import load_model
     mix = check_args(args)
     out = Path(args.out).expanduser()
-    convs, report = load_conversations(args.data, args.max_conversations, need_assistant=False)
+    if args.data == SELF:
+        convs, report = self_conversations(args.max_conversations), LoadReport(source="the target's own questions")
+        report.records = len(convs)
+    else:
+        convs, report = load_conversations(args.data, args.max_conversations, need_assistant=False)
     target, tokenizer, folder = load_model(args)
     if args.max_len > target.args.max_position_embeddings:
         raise ValueError(f"--max-len {args.max_len} is longer than the model's context "
@@ -597,7 +675,8 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     from .compiled import default_mode
     # opt-in here (eager measured faster at 32 rows); resolve_compile gives the no-compiler notice
     mode = default_mode(target.embed_tokens.weight.device) if args.compile and resolve_compile(args) else None
-    regen = Regenerator(target, tokenizer, args.batch_size, args.max_len, args.max_new_tokens, mode)
+    regen = Regenerator(target, tokenizer, args.batch_size, args.max_len, args.max_new_tokens, mode,
+                        args.prompt_temperature, args.prompt_tokens)
     plan = [convs[i:i + args.shard_size] for i in range(0, len(convs), args.shard_size)]
     manifest = new_manifest(args, mix, convs, report, target, folder)
     old = read_manifest(out)

@@ -346,3 +346,45 @@ def test_features_and_data_read_the_output_folder(tiny, chats, tmp_path):
     assert len(store) == 23 and store.keys == [r["key"] for r in recs]
     ids, mask = store.tokens(5)
     assert mask.any()
+
+
+def test_the_target_writes_its_own_questions(tiny, model_and_tok, same_or_tie):
+    """--data self: each conversation's question is sampled from the target (its chat template up to a user
+    message's text), then answered as any other. The questions and answers do not depend on the batch; each
+    greedy answer is Engine's plain decoding of that question (the answer's prefill reuses the question's cache);
+    a question is at most --prompt-tokens long."""
+    from eaglespec.regenerate import self_conversations
+    model, tok = model_and_tok
+    convs = self_conversations(8)
+    kw = dict(temperature=0.0, seed=5, max_len=128, max_new_tokens=16, prompt_tokens=12)
+    a = regenerate_conversations(model, tok, convs, batch_size=1, **kw)
+    b = regenerate_conversations(model, tok, convs, batch_size=3, **kw)
+    assert [j.history for j in a] == [j.history for j in b]
+    written = [j for j in a if j.skipped is None]
+    assert len(written) >= 6 and len({j.history[0]["content"] for j in written}) == len(written)  # all different
+    engine = Engine(load_target(str(tiny), device="cpu")[0], tok, None, None, max_context=128)
+    for job in written:
+        assert [m["role"] for m in job.history] == ["user", "assistant"] and 0 < job.written_prompts[0] <= 12
+        assert job.record()["written_prompt_tokens"] == job.written_prompts
+        r = engine.generate(messages=job.history[:1], method="vanilla", temperature=0, max_new_tokens=16)
+        if not same_or_tie(model, engine.encode(messages=job.history[:1]), job.token_ids[0], r.token_ids):
+            assert r.text == job.history[1]["content"]
+    c = regenerate_conversations(model, tok, convs, batch_size=3, **{**kw, "seed": 6})
+    assert [j.history[:1] for j in c] != [j.history[:1] for j in a]  # the seed draws other questions
+
+
+def test_self_questions_from_the_command(tiny, tmp_path, capsys):
+    """`regenerate --data self` writes resumable shards of target-written exchanges, and needs a count."""
+    assert "--max-conversations" in one_line_error(capsys, *argv(tiny, "self", tmp_path / "o1"))
+    assert "--prompt-temperature" in one_line_error(capsys, *argv(tiny, "self", tmp_path / "o2"), "--max-conversations",
+                                                    4, "--prompt-temperature", 0)
+    out = tmp_path / "self"
+    assert cli(*argv(tiny, "self", out), "--max-conversations", 6, "--prompt-tokens", 10) == 0
+    got = read_folder(out)
+    assert [r["key"] for r in got] == [f"self-{i:07d}" for i in range(6) if i in {int(r["key"][5:]) for r in got}]
+    assert got and all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in got)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["prompt_tokens"] == 10 and manifest["prompt_temperature"] == 1.0 and manifest["complete"]
+    assert "regenerated:" in capsys.readouterr().out
+    convs, _ = load_conversations(str(out))  # features and train read it as any regenerated folder
+    assert [c.key for c in convs] == [r["key"] for r in got]

@@ -221,12 +221,21 @@ def load_conversations(spec: str, max_conversations: int | None = None,
     report = LoadReport(source=spec)
     out: list[Conversation] = []
     keys: set[str] = set()
+    written: set[str] = set()  # questions the target wrote itself (`regenerate --data self`), as seen so far
     for record in records(spec, report):
         try:
             messages = to_messages(record, need_assistant)
         except ValueError as e:
             report.skipped[str(e)] += 1
             continue
+        if record.get("written_prompt_tokens"):
+            # sampled questions repeat themselves now and then ("Hi!"): one copy of each, or the head trains on
+            # the repeats' answers as if they were that much more of the target's text
+            question = " ".join(next(m["content"] for m in messages if m["role"] == "user").split()).lower()
+            if question in written:
+                report.skipped["repeated written question"] += 1
+                continue
+            written.add(question)
         rid = record.get("id") if isinstance(record.get("id"), str) else None
         key = rid.rsplit("_", 1)[0] if rid else f"#{report.records}"
         if isinstance(record.get("key"), str):  # regenerated records carry their source's key

@@ -388,3 +388,18 @@ def test_self_questions_from_the_command(tiny, tmp_path, capsys):
     assert "regenerated:" in capsys.readouterr().out
     convs, _ = load_conversations(str(out))  # features and train read it as any regenerated folder
     assert [c.key for c in convs] == [r["key"] for r in got]
+
+
+def test_repeated_written_questions_are_read_once(tmp_path):
+    """A folder of target-written exchanges keeps one copy of each question (case and spacing aside) and counts the
+    rest; questions that came from a dataset are left as they are."""
+    recs = [{"key": "self-0", "messages": [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "a"}],
+             "written_prompt_tokens": [3]},
+            {"key": "self-1", "messages": [{"role": "user", "content": "hi  THERE!"}, {"role": "assistant", "content": "b"}],
+             "written_prompt_tokens": [4]},
+            {"key": "c2", "messages": [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "c"}]},
+            {"key": "c3", "messages": [{"role": "user", "content": "Hi there!"}, {"role": "assistant", "content": "d"}]}]
+    path = tmp_path / "written.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    convs, report = load_conversations(str(path))
+    assert [c.key for c in convs] == ["self-0", "c2", "c3"] and report.skipped == {"repeated written question": 1}

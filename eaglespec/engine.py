@@ -614,18 +614,17 @@ class Engine:
             ranks.append(rank)
         return rows, ranks
 
-    def _tree_draw_inputs(self, cands, tree: Tree, rows: list[int], ranks: list[int], params: SamplingParams,
-                          gen: torch.Generator):
+    def _tree_draw_inputs(self, cands, tree: Tree, rows: list[int], ranks: list[int], chain: frozenset,
+                          params: SamplingParams, gen: torch.Generator):
         """_fused_sampled_fn's inputs past the tree: per node, the temperature, the draft distribution its children
         were drawn from (q_logp's row), their tokens in the order tried (their rank) and which exist, the n-gram
         chain's child (-1: none; tried first, as a proposal of all its mass on one token, whether or not the head
-        drew the same token: tree_draws), and fresh uniforms from the generation's generator for the trials, the
-        final draw and the chain's trial."""
+        drew the same token: tree_draws; `chain`: its tree nodes, _chain_nodes), and fresh uniforms from the
+        generation's generator for the trials, the final draw and the chain's trial."""
         n, k, dev = len(tree), self.tree.draft_top_k, self.device
         tokens = tree.host_lists()[0]
         kid_tok, kid_ok, q_row = [[0] * k for _ in range(n)], [[False] * k for _ in range(n)], [0] * n
         det = [-1] * n
-        chain = self._chain_nodes(tree)
         for j, kids in enumerate(tree.children()):
             for c in kids:
                 if c in chain:
@@ -638,7 +637,7 @@ class Engine:
         return (torch.full((1, n), params.temperature, device=dev), q[None], torch.tensor([kid_tok], device=dev),
                 torch.tensor([kid_ok], device=dev), torch.tensor([det], device=dev), u)
 
-    def _chain_nodes(self, tree: Tree) -> frozenset:
+    def _chain_nodes(self) -> frozenset:
         """The tree nodes the n-gram chain proposed this round (tree node j > 0 is candidate keep[j - 1])."""
         keep, nodes, _ = self._round
         if not nodes:
@@ -834,12 +833,13 @@ class Engine:
         tokens_in, positions = tree.tokens[None], (cur + tree.depths)[None]
         if way == "sampled-fused":
             rows, ranks = self._sampled_rows(cands, tree)
+            chain = self._chain_nodes()
             draws, h_out, h_lq = self._fused_sampled_call(
-                tokens_in, positions, *self._tree_draw_inputs(cands, tree, rows, ranks, params, gen),
+                tokens_in, positions, *self._tree_draw_inputs(cands, tree, rows, ranks, chain, params, gen),
                 cache_start=cur, t=n, mask=mask)
             draws = draws.tolist()  # the round's one read: every node's next token, drawn by verify_sampled's rule
             path, bonus, new = greedy_accept(tree, draws)
-            sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks, self._chain_nodes(tree)))
+            sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks, chain))
 
             def next_root():  # the last accepted node's head row; its children drawn from the head's distribution
                 scores, ids, lq = self._children_of(h_lq[path[-1]][None], *inputs(1, 1))
@@ -892,7 +892,7 @@ class Engine:
         caches = (self.model.cache, self.head.cache) if both else (self.model.cache,)
         held = self._move_bufs[0]
         if len(held) != len(caches) or any(a is not b for a, b in zip(held, caches)):  # rebuilt for a longer context
-            self._move_bufs = caches, [b for c in caches for i in range(c.n_layers) for b in c.layer(i)]
+            self._move_bufs = caches, [b for c in caches for b in c.buffers()]
         torch.ops.eaglespec.move_slots(self._move_bufs[1], src, dst)
 
     def _plain_round(self, root, cur, params, gen, timers, pending) -> list[int]:

@@ -589,7 +589,7 @@ def check_args(args) -> list[list[float]]:
         raise ValueError(f"--max-len must be >= 2, got {args.max_len}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    if getattr(args, "data", None) == SELF:
+    if args.data == SELF:
         if args.max_conversations is None:
             raise ValueError("--data self writes its own questions: give --max-conversations N")
         check_positive(prompt_tokens=args.prompt_tokens)

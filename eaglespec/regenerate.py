@@ -20,7 +20,10 @@ the unfinished ones. A rerun with other settings is refused.
 `--data self` writes the questions too: each conversation's user message is sampled from the target itself,
 given its chat template up to the start of a user turn (Magpie, arXiv 2406.08464), and then answered as any
 other. The training text is then entirely the target's, and as plentiful as the time to write it: a source of
-data once a dataset is used up.
+data once a dataset is used up. Left to itself the target asks generic questions ("What should I think about before a
+career change?"); `--openings` forces each question's first words, drawn by weight from a list ("Write a", "Extract",
+"Solve", ...), so that it asks for tasks instead: a pilot (docs/bench/issue10/magpie-steer-pilot.txt) found forced
+first words steer it far better than a system message describing the task.
 """
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ FORMAT = "eaglespec-regenerated"
 # Settings that decide what a shard holds: a resume must repeat them. --max-conversations may grow
 # (the plan of the first shards stays the same) and --batch-size may change (same outputs, ties aside).
 RESUME_KEYS = ("model_fingerprint", "dtype", "data", "temperatures", "max_new_tokens", "max_len", "seed", "shard_size",
-               "prompt_temperature", "prompt_tokens")
+               "prompt_temperature", "prompt_tokens", "openings")
 SELF = "self"  # --data self: the target writes the questions too
 SELF_WRITTEN = {"role": "user", "content": None}  # a turn whose question the target writes (plan_turns, Regenerator)
 DEFAULT_BATCH = 32  # a rough check on the shared 2-core CPU (decode steps at 300 tokens of context): 32 rows 4.7x, 16 rows 3.8x one row
@@ -82,21 +85,78 @@ def unit_hash(*parts) -> float:
 
 def conversation_temperature(mix: list[list[float]], seed: int, key: str) -> float:
     """The temperature a conversation is answered at, drawn from its key (so all parts of a split chat agree)."""
-    u, acc = unit_hash("temperature", seed, key), 0.0
-    for t, w in mix:
-        acc += w
-        if u < acc:
-            return t
-    return mix[-1][0]  # rounding: shares summing to 0.9999...
+    return draw_share(mix, unit_hash("temperature", seed, key))
 
 
 def conversation_seed(seed: int, key: str, index: int) -> int:
     return int(unit_hash("sample", seed, key, index) * 2**62)
 
 
-def self_conversations(n: int) -> list[Conversation]:
-    """`--data self`: n conversations of one exchange whose question the target writes (keys self-0000000, ...)."""
-    return [Conversation(f"self-{i:07d}", [dict(SELF_WRITTEN)], i) for i in range(n)]
+def self_conversations(n: int, openings: list[list] | None = None, seed: int = 0) -> list[Conversation]:
+    """`--data self`: n conversations of one exchange whose question the target writes (keys self-0000000, ...).
+    With openings ([[text, share], ...]) each question starts with one of them, drawn from its key."""
+    convs = []
+    for i in range(n):
+        key, turn = f"self-{i:07d}", dict(SELF_WRITTEN)
+        if openings:
+            turn["opening"] = draw_share(openings, unit_hash("opening", seed, key))
+        convs.append(Conversation(key, [turn], i))
+    return convs
+
+
+# What --openings presets hold: the first words of requests for a task (writing with constraints, code, maths,
+# extraction, explanation, reasoning, role play), generic verbs and question words only, never a benchmark's text.
+# The weights lean on the openings the pilot found to steer well ("Write a", "Extract", "Solve").
+OPENING_PRESETS = {
+    "tasks": [["Write a", 4], ["Write a Python function", 2], ["Extract", 2], ["Solve", 2], ["Explain", 2],
+              ["Summarize", 1], ["Rewrite", 1], ["Compose", 1], ["Create a", 1], ["Describe", 1], ["Compare", 1],
+              ["List", 1], ["Given", 1], ["Imagine you are", 1], ["How", 1], ["What", 1], ["Why", 1],
+              ["If", 1], ["Suppose", 1], ["Translate", 1]],
+}
+
+
+def parse_openings(spec: str | None) -> list[list] | None:
+    """[[text, share], ...] from --openings: a preset name, a file (one opening a line, optionally 'WEIGHT<TAB>text'),
+    or 'text:weight,text,...' inline (weight 1 where none is given). Shares sum to 1."""
+    if spec is None:
+        return None
+    if spec in OPENING_PRESETS:
+        pairs = OPENING_PRESETS[spec]
+    elif Path(spec).expanduser().is_file():
+        pairs = []
+        for line in Path(spec).expanduser().read_text(encoding="utf-8").splitlines():
+            w, tab, text = line.partition("\t")
+            if not line.strip():
+                continue
+            try:
+                pairs.append([text, float(w)] if tab else [line, 1.0])
+            except ValueError:
+                raise ValueError(f"--openings {spec}: a line must be 'text' or 'WEIGHT<TAB>text', got '{line}'") from None
+    else:
+        pairs = []
+        for part in spec.split(","):
+            text, colon, w = part.rpartition(":")
+            try:
+                pairs.append([text, float(w)] if colon else [part, 1.0])
+            except ValueError:
+                pairs.append([part, 1.0])  # a colon inside the opening itself
+    pairs = [[t, w] for t, w in pairs]
+    bad = [t for t, w in pairs if not t.strip() or not w > 0 or w == float("inf")]
+    if not pairs or bad:
+        raise ValueError(f"--openings needs non-empty openings with weights > 0 (a preset: "
+                         f"{', '.join(OPENING_PRESETS)}; a file; or 'Write a:2,Solve'), got '{spec}'")
+    total = sum(w for _, w in pairs)
+    return [[t, w / total] for t, w in pairs]
+
+
+def draw_share(choices: list[list], u: float):
+    """The choice whose cumulative share first exceeds u in [0, 1)."""
+    acc = 0.0
+    for c, w in choices:
+        acc += w
+        if u < acc:
+            return c
+    return choices[-1][0]  # rounding: shares summing to 0.9999...
 
 
 def plan_turns(messages: list[dict]) -> list[list[dict]]:
@@ -256,6 +316,7 @@ class Job:
     skipped: str | None = None      # why nothing was written
     gen: torch.Generator | None = None
     written_prompts: list[int] = field(default_factory=list)  # tokens of each question the target wrote itself
+    openings: list[str] = field(default_factory=list)  # the first words forced on those questions (--openings)
 
     @property
     def new_tokens(self) -> int:
@@ -267,6 +328,8 @@ class Job:
                "finish": self.finishes, "truncated": self.truncated}
         if self.written_prompts:
             rec["written_prompt_tokens"] = self.written_prompts
+        if self.openings:
+            rec["openings"] = self.openings
         return rec
 
 
@@ -313,10 +376,10 @@ class Regenerator:
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         return (ids, "") if len(ids) < self.max_len else (None, "prompt longer than max-len")
 
-    def encode_question(self, history: list[dict]) -> list[int] | None:
+    def encode_question(self, history: list[dict], opening: str = "") -> list[int] | None:
         """The ids of `history` rendered by the chat template up to where a user message's text starts (the
-        template's own system message included): what the target continues to write a question. None if the
-        template cannot be cut there."""
+        template's own system message included), then the question's forced first words: what the target
+        continues to write a question. None if the template cannot be cut there."""
         mark = "\x00question\x00"
         try:
             text = self.tokenizer.apply_chat_template(history + [{"role": "user", "content": mark}], tokenize=False)
@@ -324,12 +387,13 @@ class Regenerator:
             return None
         if text.count(mark) != 1:
             return None
-        ids = self.tokenizer(text[:text.index(mark)], add_special_tokens=False).input_ids
+        ids = self.tokenizer(text[:text.index(mark)] + opening, add_special_tokens=False).input_ids
         return ids if len(ids) < self.max_len else None
 
     def _begin_question(self, r: int, job: Job, cached: list[int]) -> _Row | None:
         """Prefill the start of a user turn into row r: the row then writes the question (_take fills the turn)."""
-        ids = self.encode_question(job.history + job.turns[job.turn][:-1])
+        opening = job.turns[job.turn][-1].get("opening", "")
+        ids = self.encode_question(job.history + job.turns[job.turn][:-1], opening)
         if ids is None:
             job.skipped = "no place for a question in the chat template"
             return None
@@ -388,7 +452,10 @@ class Regenerator:
         if row.writes_question:  # the turn's question is written: the row's next _begin answers it
             if not text.strip():
                 job.skipped = "the target wrote an empty question"
-            job.turns[job.turn] = job.turns[job.turn][:-1] + [{"role": "user", "content": text}]
+            opening = job.turns[job.turn][-1].get("opening", "")
+            if opening:
+                job.openings.append(opening)
+            job.turns[job.turn] = job.turns[job.turn][:-1] + [{"role": "user", "content": opening + text}]
             job.written_prompts.append(len(out))
             return True
         job.history = job.history + [{"role": "assistant", "content": text}]
@@ -480,6 +547,10 @@ def add_cli(sub) -> None:
     s.add_argument("--prompt-temperature", type=float, default=1.0,
                    help="--data self: the temperature the target writes its questions at (default 1)")
     s.add_argument("--prompt-tokens", type=int, default=128, help="--data self: tokens per written question, at most")
+    s.add_argument("--openings", default=None,
+                   help="--data self: force each question's first words, drawn by weight from a list, so that the target "
+                        "asks for tasks rather than generic advice: a preset (" + ", ".join(OPENING_PRESETS) + "), a file "
+                        "(one opening a line, optionally 'WEIGHT<TAB>text') or 'Write a:2,Solve,Extract' (default: none)")
     s.add_argument("--max-len", type=int, default=1024,
                    help="tokens per conversation: no answer runs past it, no question is asked after it")
     s.add_argument("--seed", type=int, default=0, help="for the temperature draws and sampling")
@@ -595,6 +666,9 @@ def check_args(args) -> list[list[float]]:
         check_positive(prompt_tokens=args.prompt_tokens)
         if not args.prompt_temperature > 0:
             raise ValueError(f"--prompt-temperature must be > 0 (greedy would write one question), got {args.prompt_temperature}")
+        parse_openings(args.openings)
+    elif args.openings is not None:
+        raise ValueError("--openings starts the questions the target writes: it needs --data self")
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
@@ -614,6 +688,7 @@ def new_manifest(args, mix, convs: list[Conversation], report, target, folder) -
         # only where the target writes the questions (runs before --data self have neither)
         "prompt_temperature": args.prompt_temperature if args.data == SELF else None,
         "prompt_tokens": args.prompt_tokens if args.data == SELF else None,
+        "openings": parse_openings(args.openings),  # None without --openings (and in runs from before it)
         "conversations_planned": len({c.key for c in convs}), "records_planned": len(convs),
     }
 
@@ -663,7 +738,8 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     mix = check_args(args)
     out = Path(args.out).expanduser()
     if args.data == SELF:
-        convs, report = self_conversations(args.max_conversations), LoadReport(source="the target's own questions")
+        convs = self_conversations(args.max_conversations, parse_openings(args.openings), args.seed)
+        report = LoadReport(source="the target's own questions" + (" with forced openings" if args.openings else ""))
         report.records = len(convs)
     else:
         convs, report = load_conversations(args.data, args.max_conversations, need_assistant=False)

@@ -390,6 +390,53 @@ def test_self_questions_from_the_command(tiny, tmp_path, capsys):
     assert [c.key for c in convs] == [r["key"] for r in got]
 
 
+def test_openings_start_the_written_questions(tiny, model_and_tok, tmp_path, capsys):
+    """--openings forces each written question's first words, drawn by weight from the conversation's key (the same
+    in every run, whatever the batch); the target writes the rest, and the answer answers the whole question. The
+    list comes from a preset, a file or inline; a bad one, or one without --data self, is a one-line error; a resume
+    with other openings is refused."""
+    from eaglespec.regenerate import OPENING_PRESETS, parse_openings, self_conversations
+    assert parse_openings("Write a:3,Solve") == [["Write a", 0.75], ["Solve", 0.25]]
+    assert parse_openings("Note: be brief") == [["Note: be brief", 1.0]]  # a colon that is not a weight
+    f = tmp_path / "openings.txt"
+    f.write_text("2\tWrite a\nExtract\n\n")
+    assert parse_openings(str(f)) == [["Write a", 2 / 3], ["Extract", 1 / 3]]
+    assert len(parse_openings("tasks")) == len(OPENING_PRESETS["tasks"])
+    for bad in ("Solve:0", ",", "Write a:-1"):
+        with pytest.raises(ValueError, match="--openings"):
+            parse_openings(bad)
+    drawn = [c.messages[0]["opening"] for c in self_conversations(2000, parse_openings("A:3,B"), seed=1)]
+    assert 0.72 < drawn.count("A") / 2000 < 0.78  # the shares (binomial sd 0.01)
+    assert drawn[:50] == [c.messages[0]["opening"] for c in self_conversations(50, parse_openings("A:3,B"), seed=1)]
+    assert drawn[:50] != [c.messages[0]["opening"] for c in self_conversations(50, parse_openings("A:3,B"), seed=2)]
+
+    model, tok = model_and_tok
+    convs = self_conversations(6, parse_openings("Write a,Solve"), seed=0)
+    kw = dict(temperature=0.0, seed=3, max_len=128, max_new_tokens=12, prompt_tokens=10)
+    a = regenerate_conversations(model, tok, convs, batch_size=1, **kw)
+    b = regenerate_conversations(model, tok, convs, batch_size=4, **kw)
+    assert [j.history for j in a] == [j.history for j in b]
+    plain = regenerate_conversations(model, tok, self_conversations(6), batch_size=4, **kw)
+    written = [(c, j) for c, j in zip(convs, a) if j.skipped is None]
+    assert len(written) >= 4
+    for c, job in written:
+        opening = c.messages[0]["opening"]
+        assert job.history[0]["content"].startswith(opening) and job.record()["openings"] == [opening]
+    assert [j.history[:1] for j in plain] != [j.history[:1] for j in a]
+    assert all("openings" not in j.record() for j in plain if j.skipped is None)
+
+    assert "--openings" in one_line_error(capsys, *argv(tiny, "self", tmp_path / "o1"), "--max-conversations", 4,
+                                          "--openings", "Solve:0")
+    assert "--data self" in one_line_error(capsys, *argv(tiny, "sharegpt", tmp_path / "o2"), "--openings", "Solve")
+    out = tmp_path / "self"
+    assert cli(*argv(tiny, "self", out), "--max-conversations", 4, "--prompt-tokens", 8, "--openings", "Write a") == 0
+    got = read_folder(out)
+    assert got and all(r["messages"][0]["content"].startswith("Write a") and r["openings"] == ["Write a"] for r in got)
+    assert json.loads((out / "manifest.json").read_text())["openings"] == [["Write a", 1.0]]
+    assert "openings" in one_line_error(capsys, *argv(tiny, "self", out), "--max-conversations", 4, "--prompt-tokens", 8,
+                                        "--openings", "Solve")
+
+
 def test_repeated_written_questions_are_read_once(tmp_path):
     """A folder of target-written exchanges keeps one copy of each question (case and spacing aside) and counts the
     rest; questions that came from a dataset are left as they are."""

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# After v11.sh: v11 scored offline on v10's six texts (docs/bench/issue10/v10/eval.sh; v9's and v10's scores on them are
+# committed in docs/bench/issue10/v10/texts/) plus 40 held-out exchanges of the self-tasks store, for v9 and v11; then
+# benchmarked live against v9 (the default head) in one interleaved run per temperature on the default (fastest)
+# path: all 80 MT-bench first turns, 128 new tokens. Run it on a quiet machine (the benchmarks are timed).
+#   bash docs/bench/issue10/v11/after.sh
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+H=${H:-runs/v11/head-v11/head}
+O=docs/bench/issue10/v11
+D=runs/s24/first/ev
+[ -f $H/config.json ] || { echo "no finished v11 head at $H: run docs/bench/issue10/v11/v11.sh first" >&2; exit 1; }
+bash docs/bench/issue10/v9/texts.sh
+bash docs/bench/issue10/v10/eval.sh $H v11 | tee $O/eval-v11.txt
+for N in v9 v11; do
+  HH=$([ $N = v9 ] && echo heads/smollm2-135m-instruct || echo $H)
+  .venv/bin/eaglespec evaluate --head $HH --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
+    --json $D/tasks-$N.json 2>&1 | grep "^held-out" | sed "s/^/$N /" | tee -a $O/eval-tasks.txt
+  .venv/bin/eaglespec evaluate --head $HH --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
+    --answer-tokens 128 --json $D/tasks128-$N.json 2>&1 | grep "^held-out" | sed "s/^/$N /" | tee -a $O/eval-tasks.txt
+done
+mkdir -p $O/texts && cp $D/*-v11.json $D/tasks*-v9.json $O/texts/
+[ -n "${OFFLINE_ONLY:-}" ] && exit 0
+# a quiet cost table first (the benchmarks' tree policy reads it from the cache), kept with the results
+.venv/bin/eaglespec calibrate --reps 31 --json > $O/calibrate.json
+for T in 0 1; do
+  .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 --temperature $T \
+    --heads "v11=$H" --json $O/mt80-T$T.json --report $O/mt80-T$T
+done
+.venv/bin/python docs/bench/issue10/v9/summary.py $O/mt80-T0.json $O/mt80-T1.json | tee $O/summary.txt

@@ -140,7 +140,6 @@ def parse_openings(spec: str | None) -> list[list] | None:
                 pairs.append([text, float(w)] if colon else [part, 1.0])
             except ValueError:
                 pairs.append([part, 1.0])  # a colon inside the opening itself
-    pairs = [[t, w] for t, w in pairs]
     bad = [t for t, w in pairs if not t.strip() or not w > 0 or w == float("inf")]
     if not pairs or bad:
         raise ValueError(f"--openings needs non-empty openings with weights > 0 (a preset: "
@@ -652,7 +651,8 @@ def finish_shard(out: Path, entry: dict, jobs: list[Job], save: Callable[[], Non
     tmp.replace(path)
 
 
-def check_args(args) -> list[list[float]]:
+def check_args(args) -> tuple[list[list[float]], list[list] | None]:
+    """The temperature mix and the openings (None without --openings), once every setting is checked."""
     from .features import check_positive
     check_positive(max_conversations=args.max_conversations, shard_size=args.shard_size,
                    max_new_tokens=args.max_new_tokens, max_len=args.max_len, batch_size=args.batch_size)
@@ -666,16 +666,15 @@ def check_args(args) -> list[list[float]]:
         check_positive(prompt_tokens=args.prompt_tokens)
         if not args.prompt_temperature > 0:
             raise ValueError(f"--prompt-temperature must be > 0 (greedy would write one question), got {args.prompt_temperature}")
-        parse_openings(args.openings)
     elif args.openings is not None:
         raise ValueError("--openings starts the questions the target writes: it needs --data self")
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a folder")
-    return parse_mix(args.temperature, args.mix)
+    return parse_mix(args.temperature, args.mix), parse_openings(args.openings)
 
 
-def new_manifest(args, mix, convs: list[Conversation], report, target, folder) -> dict:
+def new_manifest(args, mix, openings, convs: list[Conversation], report, target, folder) -> dict:
     """What this run is: every setting that decides a shard's contents, and what the source holds."""
     from .features import model_fingerprint, model_spec
     return {
@@ -688,7 +687,7 @@ def new_manifest(args, mix, convs: list[Conversation], report, target, folder) -
         # only where the target writes the questions (runs before --data self have neither)
         "prompt_temperature": args.prompt_temperature if args.data == SELF else None,
         "prompt_tokens": args.prompt_tokens if args.data == SELF else None,
-        "openings": parse_openings(args.openings),  # None without --openings (and in runs from before it)
+        "openings": openings,  # None without --openings (and in runs from before it)
         "conversations_planned": len({c.key for c in convs}), "records_planned": len(convs),
     }
 
@@ -735,10 +734,10 @@ def answer_shards(regen: Regenerator, out: Path, entries: list[dict], plan: list
 def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     """on_shard(i) is called after shard i is on disk (tests use it to simulate a kill)."""
     from .features import load_model
-    mix = check_args(args)
+    mix, openings = check_args(args)
     out = Path(args.out).expanduser()
     if args.data == SELF:
-        convs = self_conversations(args.max_conversations, parse_openings(args.openings), args.seed)
+        convs = self_conversations(args.max_conversations, openings, args.seed)
         report = LoadReport(source="the target's own questions" + (" with forced openings" if args.openings else ""))
         report.records = len(convs)
     else:
@@ -754,7 +753,7 @@ def run_regenerate(args, on_shard: Callable[[int], None] | None = None) -> int:
     regen = Regenerator(target, tokenizer, args.batch_size, args.max_len, args.max_new_tokens, mode,
                         args.prompt_temperature, args.prompt_tokens)
     plan = [convs[i:i + args.shard_size] for i in range(0, len(convs), args.shard_size)]
-    manifest = new_manifest(args, mix, convs, report, target, folder)
+    manifest = new_manifest(args, mix, openings, convs, report, target, folder)
     old = read_manifest(out)
     if old is not None or out.is_dir():
         check_resumable(out, old, manifest, len(plan))

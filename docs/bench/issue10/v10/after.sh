@@ -12,10 +12,4 @@ bash docs/bench/issue10/v9/texts.sh
 [ -f runs/s24/first/ev/self128-v9.json ] || bash $O/eval.sh heads/smollm2-135m-instruct v9 | tee $O/eval-v9.txt
 bash $O/eval.sh $H v10 | tee $O/eval-v10.txt
 mkdir -p $O/texts && cp runs/s24/first/ev/*-v9.json runs/s24/first/ev/*-v10.json $O/texts/
-# a quiet cost table first (the benchmarks' tree policy reads it from the cache), kept with the results
-.venv/bin/eaglespec calibrate --reps 31 --json > $O/calibrate.json
-for T in 0 1; do
-  .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 --temperature $T \
-    --heads "v10=$H" --json $O/mt80-T$T.json --report $O/mt80-T$T
-done
-.venv/bin/python docs/bench/issue10/v9/summary.py $O/mt80-T0.json $O/mt80-T1.json | tee $O/summary.txt
+bash docs/bench/issue10/live.sh $H v10 $O

@@ -10,10 +10,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 S=${S:?set S, the number of self-written shards to train on}
-OUT=${OUT:-runs/v10/head-v10}
-STORE=corpora/smollm2-135m-instruct/self
-mkdir -p runs/v10
-DATA=runs/v10/self-$S.jsonl.gz
+# STORE, RUN and TAG let a later fine-tune on another store reuse this recipe unchanged (v11.sh).
+STORE=${STORE:-corpora/smollm2-135m-instruct/self}
+RUN=${RUN:-runs/v10}
+OUT=${OUT:-$RUN/head-v10}
+mkdir -p $RUN
+DATA=$RUN/${TAG:-self}-$S.jsonl.gz
 if [ ! -f $DATA ]; then
   for i in $(seq 0 $((S - 1))); do f=$STORE/shard-$(printf %05d $i).jsonl.gz; [ -f $f ] || { echo "no $f" >&2; exit 1; }; cat $f; done > $DATA.tmp
   mv $DATA.tmp $DATA

@@ -21,10 +21,4 @@ for N in v9 v11; do
 done
 mkdir -p $O/texts && cp $D/*-v11.json $D/tasks*-v9.json $O/texts/
 [ -n "${OFFLINE_ONLY:-}" ] && exit 0
-# a quiet cost table first (the benchmarks' tree policy reads it from the cache), kept with the results
-.venv/bin/eaglespec calibrate --reps 31 --json > $O/calibrate.json
-for T in 0 1; do
-  .venv/bin/eaglespec bench --dataset mt_bench --max-turns 1 --methods vanilla,eagle --max-new-tokens 128 --temperature $T \
-    --heads "v11=$H" --json $O/mt80-T$T.json --report $O/mt80-T$T
-done
-.venv/bin/python docs/bench/issue10/v9/summary.py $O/mt80-T0.json $O/mt80-T1.json | tee $O/summary.txt
+bash docs/bench/issue10/live.sh $H v11 $O

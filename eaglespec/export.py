@@ -51,7 +51,9 @@ def _layer_fields(args) -> dict:
         "num_attention_heads": args.num_attention_heads,
         "num_key_value_heads": args.num_key_value_heads,
         "head_dim": args.head_dim,
-        "num_hidden_layers": 1,
+        # EAGLE-3: one; EAGLE-1: as many as the head has (vLLM's and SGLang's llama_eagle build
+        # num_hidden_layers layers, the first without an input norm, as ours)
+        "num_hidden_layers": args.num_hidden_layers,
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.rms_norm_eps,
         "rope_theta": float(args.rope_theta),

@@ -1,9 +1,11 @@
-"""The EAGLE draft head: fc(cat(embed(next token), feature)) -> one decoder layer -> predicted feature.
+"""The EAGLE draft head: fc(cat(embed(next token), feature)) -> decoder layer(s) -> predicted feature.
 
 The head owns no embedding and no LM head: it borrows the target's, frozen. Its state-dict keys and
 config.json follow the released EAGLE heads (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...,
-LlamaConfig with `num_hidden_layers: 1` and `bias`), so official heads load unchanged and ours load
-in vLLM / SGLang.
+LlamaConfig with `num_hidden_layers` and `bias`), so official heads load unchanged and ours load
+in vLLM / SGLang. The released heads have one layer; a head may have more (`train --head-layers`), laid
+out as the official code and vLLM/SGLang's llama_eagle build them: layer 0 without an input norm, every
+later layer with one (`layers.i.input_layernorm.weight`).
 
 A head may draft from a reduced vocabulary (EAGLE-3's `d2t`/`t2d` buffers): the LM head rows of the
 most frequent tokens only. On a CPU the draft LM head is most of a draft step's cost. Which tokens are
@@ -25,14 +27,16 @@ from .model import (MLP, Attention, DecoderLayer, KVCache, ModelArgs, RMSNorm, R
                     check_aux_layers, default_aux_layers, rotate_half)
 
 
-def head_args(target: ModelArgs) -> ModelArgs:
-    """A draft layer shaped like the target's attention, with a dense Llama MLP and no q/k norm."""
-    return dataclasses.replace(target, num_hidden_layers=1, num_local_experts=0, num_experts_per_tok=0,
+def head_args(target: ModelArgs, layers: int = 1) -> ModelArgs:
+    """Draft layers shaped like the target's attention, with a dense Llama MLP and no q/k norm."""
+    if layers < 1:
+        raise ValueError(f"a head needs at least one layer, not {layers}")
+    return dataclasses.replace(target, num_hidden_layers=layers, num_local_experts=0, num_experts_per_tok=0,
                                qk_norm=False, tie_word_embeddings=False)
 
 
 def layer_config(a: ModelArgs) -> dict:
-    """The config fields both head kinds share: one Llama decoder layer the size of the target's."""
+    """The config fields both head kinds share: Llama decoder layers the size of the target's."""
     return {
         "model_type": "llama",
         "hidden_size": a.hidden_size,
@@ -40,7 +44,7 @@ def layer_config(a: ModelArgs) -> dict:
         "num_attention_heads": a.num_attention_heads,
         "num_key_value_heads": a.num_key_value_heads,
         "head_dim": a.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": a.num_hidden_layers,
         "vocab_size": a.vocab_size,
         "rms_norm_eps": a.rms_norm_eps,
         "rope_theta": a.rope_theta,
@@ -60,7 +64,8 @@ class EagleHead(nn.Module):
         self.bias = bias
         h = args.hidden_size
         self.fc = nn.Linear(2 * h, h, bias=bias)
-        self.layers = nn.ModuleList([DecoderLayer(args, 0, input_norm=False)])
+        # layer 0 reads fc's output as it is; a later layer's input is a residual stream, normed first
+        self.layers = nn.ModuleList(DecoderLayer(args, i, input_norm=i > 0) for i in range(args.num_hidden_layers))
         self.rotary = Rotary(args)
         self.cache: KVCache | None = None
         if draft_vocab is not None:
@@ -78,7 +83,8 @@ class EagleHead(nn.Module):
 
     def setup_cache(self, max_len: int, batch: int = 1):
         w = self.fc.weight
-        self.cache = KVCache(1, batch, self.args.num_key_value_heads, max_len, self.args.head_dim, w.dtype, w.device)
+        self.cache = KVCache(self.args.num_hidden_layers, batch, self.args.num_key_value_heads, max_len,
+                             self.args.head_dim, w.dtype, w.device)  # (shared with Eagle3Head: one layer)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None, cache_start: int | None = None) -> torch.Tensor:
@@ -90,7 +96,9 @@ class EagleHead(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         cache = self.cache if cache_start is not None else None
         mask = causal_mask(x.shape[1], cache_start, x.device) if cache is not None and mask is None else mask
-        return self.layers[0](x, cos, sin, mask, cache, 0 if cache_start is None else cache_start)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, cache, 0 if cache_start is None else cache_start)
+        return x
 
     # ---- the drafting interface shared with Eagle3Head ---------------------------------------------
     # first(): the head on the target's own features (catch-up after a verification, prefill);
@@ -288,7 +296,8 @@ class Eagle3Head(nn.Module):
 
     def setup_cache(self, max_len: int, batch: int = 1):
         w = self.fc.weight
-        self.cache = KVCache(1, batch, self.args.num_key_value_heads, max_len, self.args.head_dim, w.dtype, w.device)
+        self.cache = KVCache(self.args.num_hidden_layers, batch, self.args.num_key_value_heads, max_len,
+                             self.args.head_dim, w.dtype, w.device)  # (shared with Eagle3Head: one layer)
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(target_hidden.to(self.fc.weight.dtype))
@@ -380,10 +389,38 @@ def check_draft_vocab(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return ids
 
 
-def random_head(target: ModelArgs, seed: int = 0, bias: bool = True, draft_vocab=None) -> EagleHead:
+def random_head(target: ModelArgs, seed: int = 0, bias: bool = True, draft_vocab=None, layers: int = 1) -> EagleHead:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return EagleHead(head_args(target), bias=bias, draft_vocab=draft_vocab)
+        return EagleHead(head_args(target, layers), bias=bias, draft_vocab=draft_vocab)
+
+
+def grown_head(head: EagleHead, layers: int, seed: int = 0) -> EagleHead:
+    """`head` with layers appended up to `layers`, each computing the identity at first (its o_proj and
+    down_proj zero, so it adds nothing to the residual stream): the grown head drafts exactly as `head`
+    does, and training starts from what `head` learned instead of from scratch. The new layers' other
+    weights are random, so their gradients are not zero once the output projections move."""
+    n = len(head.layers)
+    if layers < n:
+        raise ValueError(f"the head has {n} layers; it can grow, not shrink, to {layers}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        grown = EagleHead(dataclasses.replace(head.args, num_hidden_layers=layers), bias=head.fc.bias is not None,
+                          draft_vocab=head.draft_ids)
+    missing, unexpected = grown.load_state_dict(head.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= n for k in missing), \
+        (missing, unexpected)
+    with torch.no_grad():
+        for layer in grown.layers[n:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown.to(head.fc.weight)
+
+
+def head_layers(sd: dict) -> int:
+    """How many decoder layers an EAGLE-1 state dict (our key names) holds: `layers.0.*` ... `layers.{n-1}.*`."""
+    ids = {int(k.split(".")[1]) for k in sd if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    return max(ids) + 1 if ids else 1
 
 
 def random_eagle3_head(target: ModelArgs, seed: int = 0, draft_vocab=None, aux_layers=None) -> Eagle3Head:
@@ -413,7 +450,11 @@ def load_head(path: str | Path, target: ModelArgs) -> EagleHead | Eagle3Head:
     if eagle3_config and not eagle3_keys:
         raise ValueError(f"head {path}: config.json says LlamaForCausalLMEagle3 but its weights hold no midlayer.* "
                          "(not an EAGLE-3 checkpoint)")
-    args = eagle3_head_args(target) if eagle3_keys else head_args(target)
+    layers = 1 if eagle3_keys else head_layers(sd)
+    if not eagle3_keys and int(cfg.get("num_hidden_layers") or layers) != layers:
+        raise ValueError(f"head {path}: config.json says num_hidden_layers {cfg['num_hidden_layers']}, its weights "
+                         f"hold {layers} layer{'s' * (layers != 1)}")
+    args = eagle3_head_args(target) if eagle3_keys else head_args(target, layers)
     args = dataclasses.replace(
         args,
         intermediate_size=cfg.get("intermediate_size", args.intermediate_size),

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from .data import make_batches, split
 from .features import (FeatureStore, add_arch_args, add_autocast_arg, add_data_args, add_model_args, autocast_for,
                        forward_autocast, check_positive, load_examples, load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
-from .head import EagleHead, _rotated_qkv, load_head, random_eagle3_head, random_head
+from .head import EagleHead, _rotated_qkv, grown_head, load_head, random_eagle3_head, random_head
 
 EVAL_DEPTHS = 4
 DEFAULT_WARMUP = 100
@@ -77,6 +77,10 @@ def add_cli(sub) -> None:
                    help="eagle3: add W x SmoothL1 between the head's normed output at each unrolled step and the "
                         "target's next feature, EAGLE-1's dense signal, to the cross-entropy (not in the official "
                         "recipe; default 0 = official)")
+    o.add_argument("--head-layers", type=int, default=None, metavar="N",
+                   help="eagle: decoder layers in the head (default: 1, as the released heads; with --init-head, "
+                        "its own). A head given to --init-head with fewer layers grows to N: the new layers start "
+                        "as the identity (zero output projections), so training starts from what it drafts")
     o.add_argument("--noise", type=float, default=0.1, help="uniform noise amplitude on input features (eagle only)")
     o.add_argument("--no-fc-bias", action="store_true", help="fc without bias (as the LLaMA3 heads; vLLM drops it)")
     o.add_argument("--draft-vocab", type=int, default=0, metavar="N",
@@ -84,6 +88,9 @@ def add_cli(sub) -> None:
                         "cheaper training and drafting, same output (0 = the whole vocabulary)")
     t = p.add_argument_group("optimisation")
     t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--grown-lr", type=float, default=None, metavar="LR",
+                   help="the peak learning rate of the layers --head-layers adds to an --init-head head, on the same "
+                        "schedule (default: --lr). Why: a fine-tune's low --lr leaves new layers near the identity")
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--warmup-steps", type=int, default=None,
                    help=f"linear warm-up, then linear decay to 0 (default: {DEFAULT_WARMUP}, or a tenth of the run "
@@ -487,40 +494,50 @@ def unrolled_predictions(head: EagleHead, embeds: torch.Tensor, feats: torch.Ten
     outs[k-1][:, p] predicts f_{p+1} after a chain of k head steps that started from the true
     feature f_{p-k+1}: step 1 at position p-k+1 is fed (f_{p-k+1}, x_{p-k+2}); step i > 1 at
     position p-k+i is fed (the previous step's predicted feature, x_{p-k+i+1}). Tokens stay the real
-    ones. Each step attends to what the head's cache would hold when drafting: the true-feature
-    steps at positions <= p-k+1 and the chain's own earlier steps. Valid for p >= k-1.
+    ones. In every layer, each step attends to what that layer's cache would hold when drafting: the
+    true-feature steps at positions <= p-k+1 and the chain's own earlier steps. Valid for p >= k-1.
     """
     b, t, _ = feats.shape
-    layer, attn = head.layers[0], head.layers[0].self_attn
     positions = torch.arange(t, device=feats.device)[None].expand(b, -1)
-    x1 = head.fc(torch.cat((embeds, feats.to(embeds.dtype)), -1))
-    cos, sin = head.rotary(positions, x1.dtype)
-    q1, k1, v1 = _rotated_qkv(attn, x1, cos, sin)
-    outs = [_finish(layer, x1, F.scaled_dot_product_attention(q1, k1, v1, is_causal=True))]
-    keys, values = [k1], [v1]
     idx = torch.arange(t, device=feats.device)
-    scale = 1.0 / math.sqrt(attn.hd)
+    x = head.fc(torch.cat((embeds, feats.to(embeds.dtype)), -1))
+    cos, sin = head.rotary(positions, x.dtype)
+    first, chain = [], [[] for _ in head.layers]  # per layer: step 1's keys/values; steps 2..'s
+    for layer in head.layers:
+        q, k, v = _rotated_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+        first.append((k, v))
+        x = _finish(layer, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    outs = [x]
     for step in range(2, depth + 1):
         fed = _shift_right(outs[-1], 1, 1)  # position p gets the previous step's prediction made at p-1
         x = head.fc(torch.cat((embeds, fed.to(embeds.dtype)), -1))
-        q, k, v = _rotated_qkv(attn, x, cos, sin)
-        keys.append(k), values.append(v)
-        lag = step - 1
-        prefix = (q @ k1.transpose(-1, -2)) * scale
-        prefix = prefix.masked_fill(idx[None, :] > idx[:, None] - lag, float("-inf"))
-        chain_s, chain_v = [], []
-        for i in range(2, step + 1):  # the chain's step i sits at p - (step - i)
-            s = step - i
-            ki, vi = _shift_right(keys[i - 1], s, 2), _shift_right(values[i - 1], s, 2)
-            score = (q * ki).sum(-1, keepdim=True) * scale
-            chain_s.append(score.masked_fill((idx < s)[:, None], float("-inf")))
-            chain_v.append(vi)
-        probs = torch.cat([prefix] + chain_s, -1).float().softmax(-1).to(q.dtype)
-        y = probs[..., :t] @ v1
-        for j, vi in enumerate(chain_v):
-            y = y + probs[..., t + j:t + j + 1] * vi
-        outs.append(_finish(layer, x, y))
+        for layer, (k1, v1), own in zip(head.layers, first, chain):
+            q, k, v = _rotated_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+            own.append((k, v))
+            x = _finish(layer, x, _chain_step_attention(q, k1, v1, own, step, idx, 1.0 / math.sqrt(layer.self_attn.hd)))
+        outs.append(x)
     return outs
+
+
+def _chain_step_attention(q, k1, v1, own, step: int, idx, scale: float) -> torch.Tensor:
+    """Step `step` >= 2 of `unrolled_predictions` in one layer: the true-feature keys k1/v1 up to the
+    chain's start (lag step - 1), then the chain's own steps 2..step (`own`, their keys and values, the
+    last being this step's)."""
+    t = idx.numel()
+    prefix = (q @ k1.transpose(-1, -2)) * scale
+    prefix = prefix.masked_fill(idx[None, :] > idx[:, None] - (step - 1), float("-inf"))
+    chain_s, chain_v = [], []
+    for i in range(2, step + 1):  # the chain's step i sits at p - (step - i)
+        s = step - i
+        ki, vi = _shift_right(own[i - 2][0], s, 2), _shift_right(own[i - 2][1], s, 2)
+        score = (q * ki).sum(-1, keepdim=True) * scale
+        chain_s.append(score.masked_fill((idx < s)[:, None], float("-inf")))
+        chain_v.append(vi)
+    probs = torch.cat([prefix] + chain_s, -1).float().softmax(-1).to(q.dtype)
+    y = probs[..., :t] @ v1
+    for j, vi in enumerate(chain_v):
+        y = y + probs[..., t + j:t + j + 1] * vi
+    return y
 
 
 @torch.no_grad()
@@ -745,7 +762,12 @@ def split_seed(args) -> int:
 def validate(args) -> None:
     check_positive(max_conversations=args.max_conversations, max_len=args.max_len, batch_tokens=args.batch_tokens,
                    epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
-                   eval_conversations=args.eval_conversations, ttt_steps=args.ttt_steps)
+                   eval_conversations=args.eval_conversations, ttt_steps=args.ttt_steps, head_layers=args.head_layers)
+    if args.grown_lr is not None and not (args.grown_lr > 0 and args.init_head and args.head_layers):
+        raise ValueError("--grown-lr sets the learning rate of the layers --head-layers adds to an --init-head head: "
+                         "give both (and a --grown-lr > 0)")
+    if args.arch == "eagle3" and args.head_layers not in (None, 1):
+        raise ValueError("--head-layers applies to EAGLE-1 heads (--arch eagle); an EAGLE-3 head has one layer")
     for name in ("lr", "noise", "clip", "weight_decay", "save_every", "eval_every", "warmup_steps", "draft_vocab",
                  "eagle3_feature_weight"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
@@ -862,7 +884,8 @@ def new_head(args, target, draft_vocab, aux):
         if args.eagle3_output_init == "target":
             copy_target_output(head, target)
         return head
-    return random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab)
+    return random_head(target.args, seed=args.seed, bias=not args.no_fc_bias, draft_vocab=draft_vocab,
+                       layers=args.head_layers or 1)
 
 
 def copy_target_output(head, target) -> None:
@@ -887,6 +910,14 @@ def initial_head(args, target, aux, log):
     if args.draft_vocab and aux is not None:
         raise ValueError(f"--draft-vocab with --init-head: an EAGLE-3 head's LM head is its own, over its own draft "
                          f"vocabulary, so {args.init_head} keeps it; leave --draft-vocab out")
+    if aux is None and args.head_layers and args.head_layers != len(head.layers):
+        if args.head_layers < len(head.layers):
+            raise ValueError(f"--head-layers {args.head_layers}: --init-head {args.init_head} has {len(head.layers)} "
+                             "layers, and a head can grow, not shrink")
+        log(f"head: {args.init_head}'s {len(head.layers)} layer(s) grown to {args.head_layers} (the new ones start as "
+            "the identity)")
+        args.grown_from = len(head.layers)
+        head = grown_head(head, args.head_layers, seed=args.seed)
     return head
 
 
@@ -922,6 +953,9 @@ def resumed_head(args, target, ckpt: Path, out: Path, fresh, data_fp, plan, per_
         raise ValueError(f"the checkpoint in {out} is an {head.arch} head"
                          + (f" on layers {','.join(map(str, head.aux_layers))}" if head.aux_layers else "")
                          + ": resume with the same --arch/--aux-layers")
+    if head.args.num_hidden_layers != fresh.args.num_hidden_layers:
+        raise ValueError(f"the checkpoint in {out} is a head of {head.args.num_hidden_layers} layer(s), this run's has "
+                         f"{fresh.args.num_hidden_layers}: resume with the same --head-layers")
     had, want = head.draft_ids, fresh.draft_ids
     if (had is None) != (want is None) or (had is not None and not torch.equal(had, want)):
         raise ValueError(f"the checkpoint in {out} drafts from another vocabulary: resume with the same --draft-vocab")
@@ -1117,6 +1151,8 @@ def schedule(args, data: RunData, aux, world: int, log) -> Schedule:
     total_steps = min(sum(steps_per_epoch), args.max_steps or sum(steps_per_epoch))
     args.warmup_steps = plan_warmup(args.warmup_steps, total_steps, log)
     plan = {"epochs": args.epochs, "total_steps": total_steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
+    if args.grown_lr is not None:  # absent when unset, so runs from before the option resume unchanged
+        plan["grown_lr"] = args.grown_lr
     if aux is not None:  # another unroll depth is another objective: a resume keeps it (or --replan)
         plan["ttt_steps"] = args.ttt_steps
         if args.eagle3_feature_weight:  # absent when 0, so runs from before the option resume unchanged
@@ -1165,6 +1201,7 @@ def _train(args, weights, rank: int, world: int) -> int:
     data = run_data(args, target, tokenizer, store, aux, rank, world, log)
     sched = schedule(args, data, aux, world, log)
     head, draft_vocab, coverage, state, saved = starting_head(args, target, data, aux, init, ckpt, out, sched, log)
+    args.head_layers_used = head.args.num_hidden_layers  # for the card
     run = TrainRun(args, weights, rank, world, target, head, aux, data, sched, state, saved, out)
     with StopOnSignal() as stop:
         finished = run.loop(log, stop)
@@ -1210,6 +1247,17 @@ class StopOnSignal:
             signal.signal(sig, handler)
 
 
+def param_groups(head, args) -> list[dict]:
+    """The optimizer's groups: the head, and apart from it the layers --head-layers grew (their own peak
+    --grown-lr, as `lr_scale` x the schedule's lr). One group where nothing grew, as before the option."""
+    grown_from = getattr(args, "grown_from", None)
+    if grown_from is None or args.grown_lr is None:
+        return [{"params": list(head.parameters())}]
+    new = {id(p) for layer in head.layers[grown_from:] for p in layer.parameters()}
+    return [{"params": [p for p in head.parameters() if id(p) not in new]},
+            {"params": [p for p in head.parameters() if id(p) in new], "lr_scale": args.grown_lr / args.lr}]
+
+
 class TrainRun:
     """The optimizer loop of one run: steps, evaluations, checkpoints and logs."""
 
@@ -1220,7 +1268,8 @@ class TrainRun:
         self.head = head = head.to(device=device, dtype=torch.float32).train()
         self.vocab = None if head.draft_ids is None else \
             (target.lm_head.weight[head.draft_ids].contiguous(), head.draft_ids)
-        self.opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+        self.opt = torch.optim.AdamW(param_groups(head, args), lr=args.lr, betas=(0.9, 0.95),
+                                     weight_decay=args.weight_decay)
         if saved is not None:
             self.opt.load_state_dict(saved["optimizer"])
             torch.set_rng_state(saved["rng_cpu"])
@@ -1338,7 +1387,7 @@ class TrainRun:
                     break
                 lr = lr_at(state["step"], a.lr, a.warmup_steps, sched.total_steps)
                 for g in self.opt.param_groups:
-                    g["lr"] = lr
+                    g["lr"] = lr * g.get("lr_scale", 1.0)
                 stats, grad_norm = self.step(epoch, rank_batches(sched.epoch_batches[epoch], step_in_epoch, rank,
                                                                  self.world, a.grad_accum), stop)
                 state["step"] += 1
@@ -1403,6 +1452,7 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
     lines = [
         "# EAGLE draft head — training card", "",
         f"- Target: {args.model or 'default (SmolLM2-135M-Instruct)'}",
+        f"- Head: {'EAGLE-3' if args.arch == 'eagle3' else 'EAGLE-1'}, {getattr(args, 'head_layers_used', 1)} decoder layer(s)",
         f"- Data: {data_desc}",
         f"- Loaded: {data_summary.removeprefix('data: ')}",
         # rows are records: a long chat split into parts is several, and the split keeps a chat's parts together
@@ -1426,7 +1476,8 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
          + (f"tokens of the initial head ({args.init_head})" if args.init_head else "most frequent assistant tokens")
          + f" (covering {head_vocab[1]:.1%} of the training data's assistant tokens)"),
         *([f"- Initial weights: {args.init_head} (fine-tuned)"] if args.init_head else []),
-        f"- Optimiser: AdamW lr {args.lr}, betas (0.9, 0.95), weight decay {args.weight_decay}, warm-up "
+        f"- Optimiser: AdamW lr {args.lr}" + (f" (grown layers: {args.grown_lr})" if args.grown_lr is not None else "")
+        + f", betas (0.9, 0.95), weight decay {args.weight_decay}, warm-up "
         f"{args.warmup_steps} steps then linear decay; clip by {args.clip_mode} {args.clip}",
         "", "## Held-out accuracy (against the target's argmax)", "",
     ]

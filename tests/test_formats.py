@@ -99,13 +99,18 @@ def sglang_name(name, params):
     return name if name in params else None
 
 
-def vllm_eagle1_params(h, heads, kv, hd, inter):
-    """EagleLlamaForCausalLM (llama_eagle.py): fc 2H->H with bias=False, layers.0 with an Identity input norm;
-    names not among its parameters are skipped, embed_tokens shared with the target."""
-    p = "model.layers.0."
-    return {"model.fc.weight": (h, 2 * h), p + "self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, h),
-            p + "self_attn.o_proj.weight": (h, heads * hd), p + "mlp.gate_up_proj.weight": (2 * inter, h),
-            p + "mlp.down_proj.weight": (h, inter), p + "post_attention_layernorm.weight": (h,)}
+def vllm_eagle1_params(h, heads, kv, hd, inter, layers=1):
+    """EagleLlamaForCausalLM (llama_eagle.py): fc 2H->H with bias=False, config.num_hidden_layers decoder layers,
+    layer 0 with an Identity input norm and the others with an RMSNorm; names not among its parameters are
+    skipped, embed_tokens shared with the target."""
+    out = {"model.fc.weight": (h, 2 * h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.qkv_proj.weight": ((heads + 2 * kv) * hd, h),
+                    p + "self_attn.o_proj.weight": (h, heads * hd), p + "mlp.gate_up_proj.weight": (2 * inter, h),
+                    p + "mlp.down_proj.weight": (h, inter), p + "post_attention_layernorm.weight": (h,),
+                    **({p + "input_layernorm.weight": (h,)} if i else {})})
+    return out
 
 
 def vllm_eagle1_name(name):
@@ -118,10 +123,10 @@ def vllm_eagle1_name(name):
     return name
 
 
-def sglang_eagle1_params(h, heads, kv, hd, inter):
-    """SGLang's LlamaForCausalLMEagle (llama_eagle.py): fc = nn.Linear(2H, H) (with a bias), layers.0 without
-    an input norm; every name gets "model." unless it holds lm_head."""
-    return {**vllm_eagle1_params(h, heads, kv, hd, inter), "model.fc.bias": (h,)}
+def sglang_eagle1_params(h, heads, kv, hd, inter, layers=1):
+    """SGLang's LlamaForCausalLMEagle (llama_eagle.py): fc = nn.Linear(2H, H) (with a bias), layers as vLLM's
+    (layer 0 without an input norm); every name gets "model." unless it holds lm_head."""
+    return {**vllm_eagle1_params(h, heads, kv, hd, inter, layers), "model.fc.bias": (h,)}
 
 
 def vllm_speculators_config(cfg):
@@ -487,6 +492,36 @@ def test_eagle1_export_is_what_vllm_and_sglang_load(tmp_path, target, capsys):
     full = EagleHead(head.args, bias=True)
     full.load_state_dict({k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")})
     assert torch.equal(probe_logits(back, model), probe_logits(full, model))
+
+
+def test_a_two_layer_eagle1_head_loads_exports_and_is_lossless(tmp_path, target, capsys, same_or_tie):
+    """A head of two layers (train --head-layers 2) in the official layout (layers.1 with an input norm, config
+    num_hidden_layers 2): it loads, generates losslessly, exports with every tensor mapped onto vLLM's and SGLang's
+    two-layer parameters, and loads back drafting the same. A config that names another layer count is refused."""
+    model, model_folder = target
+    head = random_head(model.args, seed=4, layers=2)
+    with torch.no_grad():
+        head.layers[1].input_layernorm.weight.uniform_(0.5, 1.5)  # not the identity, so a dropped norm would show
+    head.save(tmp_path / "head")
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    loaded = load_head(tmp_path / "head", model.args)
+    assert len(loaded.layers) == 2 and torch.equal(probe_logits(loaded, model), probe_logits(head, model))
+    assert_lossless(model, loaded, same_or_tie)
+    out, cfg, sd = export(tmp_path, tmp_path / "head", "eagle", model_folder)
+    capsys.readouterr()
+    a = model.args
+    dims = (a.hidden_size, a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.intermediate_size)
+    assert cfg["num_hidden_layers"] == 2
+    vl = vllm_eagle1_params(*dims, layers=2)
+    assert set(covered({k: v for k, v in sd.items() if k != "fc.bias"}, vllm_eagle1_name, vl)) == set(vl)
+    sg = sglang_eagle1_params(*dims, layers=2)
+    assert set(covered(sd, lambda k: sglang_name(k, sg), sg)) == set(sg)
+    assert torch.equal(probe_logits(load_head(out, model.args), model), probe_logits(head, model))
+    cfg["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_hidden_layers 1.*2 layers"):
+        load_head(out, model.args)
 
 
 def test_eagle1_export_of_a_head_without_fc_bias_gives_sglang_zeros(tmp_path, target, capsys):

@@ -11,7 +11,7 @@ import scipy.stats
 import torch
 
 from eaglespec.engine import Engine
-from eaglespec.head import EagleHead, random_head
+from eaglespec.head import EagleHead, grown_head, random_head
 from eaglespec.loading import load_target
 from eaglespec import cpugemm
 from eaglespec.sampling import SamplingParams, target_probs
@@ -97,6 +97,52 @@ def test_good_head_accepts_several_tokens_and_is_lossless(kind, good, moves, sam
         assert len(moves) > 10
         # where cpugemm is built, its move_slots kernel did the moving (the compiled graph elsewhere)
         assert {kernel for _, kernel in moves} == {cpugemm.why_unavailable() is None}
+
+
+@pytest.fixture(scope="module")
+def good_two_layers(good):
+    """The good head grown to two layers, the second then perturbed (a random residual layer, not the identity):
+    drafts still usually right, and a second head-cache layer that the tree masks and compaction must keep."""
+    model, head, prompts, vanilla = good
+    two = grown_head(head, 2, seed=5)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        for p in two.layers[1].parameters():
+            p += 0.05 * torch.randn_like(p)
+    return model, two.eval().requires_grad_(False), prompts, vanilla
+
+
+def test_a_grown_head_drafts_exactly_as_the_head_it_grew_from(good):
+    """grown_head's new layers start as the identity (zero output projections), bit for bit; it cannot shrink."""
+    model, head, prompts, _ = good
+    grown = grown_head(head, 3)
+    assert len(grown.layers) == 3 and isinstance(grown.layers[1].input_layernorm, torch.nn.Module)
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 9, model.args.hidden_size, generator=g)
+    feats = torch.randn(1, 9, model.args.hidden_size, generator=g)
+    with torch.no_grad():
+        assert torch.equal(grown(embeds, feats, torch.arange(9)[None]), head(embeds, feats, torch.arange(9)[None]))
+    engine = lambda h: Engine(model, head=h, tree=TreeConfig(kind="dynamic"))  # noqa: E731
+    a, b = (run(engine(h), prompts[0]) for h in (head, grown))
+    assert a.token_ids == b.token_ids and a.accept_lengths == b.accept_lengths
+    with pytest.raises(ValueError, match="grow, not shrink"):
+        grown_head(grown, 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_two_layer_head_is_lossless_with_deep_paths_and_compaction(kind, good_two_layers, moves, same_or_tie):
+    """A head of two layers (train --head-layers 2): lossless through every tree kind, with deep accepted paths
+    and (for trees) cache compactions that move both layers of the head's cache; the catch-up inside the
+    verification drafts what the separate call drafts."""
+    model, head, prompts, vanilla = good_two_layers
+    fused, apart = (Engine(model, head=head, tree=TreeConfig(kind=kind)) for _ in range(2))
+    apart.fuse_catchup = False
+    a = check_lossless(fused, prompts[:15], vanilla[:15], same_or_tie)
+    b = check_lossless(apart, prompts[:15], vanilla[:15], same_or_tie)
+    assert [r.accept_lengths for r in a] == [r.accept_lengths for r in b]
+    assert sum(r.tau for r in a) / len(a) > 1.3 and max(max(r.accept_lengths) for r in a) >= 4
+    if kind != "chain":
+        assert len(moves) > 5
 
 
 def counting(calls: Counter, name: str, fn):

@@ -123,9 +123,11 @@ def test_shift_inputs_masks_by_the_fed_token():
     assert target[0, :, 0].tolist() == [1, 2, 3, 4, 0]
 
 
-def test_unrolled_predictions_match_drafting_with_the_cache(target):
-    """Step k of the parallel unroll at position p == a k-step chain drafted through the head's KV cache."""
-    head = random_head(target.args, seed=3).eval()
+@pytest.mark.parametrize("layers", (1, 2))
+def test_unrolled_predictions_match_drafting_with_the_cache(target, layers):
+    """Step k of the parallel unroll at position p == a k-step chain drafted through the head's KV cache
+    (with two layers, each keeps its own cache and the second normalises its input)."""
+    head = random_head(target.args, seed=3, layers=layers).eval()
     torch.manual_seed(0)
     t = 12
     ids = torch.randint(3, target.args.vocab_size, (1, t))
@@ -543,6 +545,40 @@ def test_init_head_fine_tunes_a_trained_head(trained, tiny, chats, tmp_path, cap
     assert cli(*common(tiny, chats, tmp_path / "ft3", "--init-head", trained / "head", "--arch", "eagle3")) == 2
     err = capsys.readouterr().err.strip()
     assert "--init-head" in err and len(err.splitlines()) == 1
+
+
+def test_init_head_grows_to_more_layers_and_starts_where_it_was(trained, tiny, chats, tmp_path, capsys):
+    """--init-head H --head-layers 2: the one-layer head grows a second layer that starts as the identity, so the
+    run's first loss is the one-layer head's on the same batch (--max-steps 1 twice, same seed); the saved head
+    has two layers and says so in its config and card; resuming with another layer count, --head-layers with
+    --arch eagle3, and shrinking are one-line errors."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli(*common(tiny, chats, one, "--init-head", trained / "head", "--max-steps", 1, "--noise", 0)) == 0
+    assert cli(*common(tiny, chats, two, "--init-head", trained / "head", "--max-steps", 2, "--noise", 0,
+                       "--head-layers", 2)) == 0
+    first = [read_jsonl(d / "train_log.jsonl")[0] for d in (one, two)]
+    assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5) and first[1]["top1"] == first[0]["top1"]
+    assert read_jsonl(two / "train_log.jsonl")[1]["loss"] != pytest.approx(first[1]["loss"], rel=1e-6)  # it learns
+    assert json.loads((two / "head" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert "2 decoder layer(s)" in (two / "card.md").read_text()
+    fast = tmp_path / "fast"  # the grown layer on its own, higher learning rate: it moves further from the identity
+    assert cli(*common(tiny, chats, fast, "--init-head", trained / "head", "--max-steps", 2, "--noise", 0,
+                       "--head-layers", 2, "--grown-lr", 2e-2)) == 0
+    moved = [load_file(d / "head" / "model.safetensors")["layers.1.self_attn.o_proj.weight"].abs().max()
+             for d in (two, fast)]
+    assert 0 < moved[0] < moved[1] / 3, moved
+    assert read_jsonl(fast / "train_log.jsonl")[0]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
+    capsys.readouterr()
+    for argv in ((two, "--init-head", trained / "head", "--max-steps", 3, "--noise", 0, "--resume", "--replan"),
+                 (fast, "--init-head", trained / "head", "--max-steps", 2, "--noise", 0, "--head-layers", 2,
+                  "--grown-lr", 1e-2, "--resume"),
+                 (tmp_path / "nolayers", "--init-head", trained / "head", "--grown-lr", 1e-2),
+                 (tmp_path / "e3", "--arch", "eagle3", "--head-layers", 2),
+                 (tmp_path / "shrink", "--init-head", two / "head", "--head-layers", 1),
+                 (tmp_path / "zero", "--head-layers", 0)):
+        assert cli(*common(tiny, chats, *argv)) == 2, argv
+        err = capsys.readouterr().err.strip()  # a progress bar may precede the error line
+        assert "Traceback" not in err and ("layer" in err.splitlines()[-1] or "grown_lr" in err), (argv, err)
 
 
 def test_init_head_with_draft_vocab_chooses_the_vocabulary_again(trained, tiny, chats, tmp_path, capsys):

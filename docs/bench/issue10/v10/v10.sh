@@ -10,7 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
 S=${S:?set S, the number of self-written shards to train on}
-# STORE, RUN and TAG let a later fine-tune on another store reuse this recipe unchanged (v11.sh).
+# STORE, RUN and TAG let a later fine-tune on another store reuse this recipe unchanged (v11.sh); EXTRA adds
+# train options (v12.sh: --head-layers 2).
 STORE=${STORE:-corpora/smollm2-135m-instruct/self}
 RUN=${RUN:-runs/v10}
 OUT=${OUT:-$RUN/head-v10}
@@ -24,4 +25,4 @@ AUTOCAST=$(grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo o
 RESUME=$([ -d $OUT/checkpoint ] && echo --resume || true)
 .venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct --out $OUT \
   --epochs 1 --batch-tokens 4096 --lr ${LR:-1e-4} --warmup-steps 20 --save-every 50 --eval-conversations 40 \
-  --autocast $AUTOCAST $RESUME
+  --autocast $AUTOCAST ${EXTRA:-} $RESUME

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# After v12.sh: v12 (two layers) scored offline on v10's six texts and the self-tasks held-out exchanges (v9's and v11's
+# scores on the same texts are committed in docs/bench/issue10/v11/), then benchmarked live against v9 (the default
+# head) and v11 (the one-layer control, same data and recipe) in one interleaved run per temperature on the default
+# (fastest) path: all 80 MT-bench first turns, 128 new tokens. Run it on a quiet machine (the benchmarks are timed).
+#   bash docs/bench/issue10/v12/after.sh
+set -euo pipefail
+cd "$(dirname "$0")/../../../.."
+H=${H:-runs/v12/head-v12/head}
+O=docs/bench/issue10/v12
+D=runs/s24/first/ev
+[ -f $H/config.json ] || { echo "no finished v12 head at $H: run docs/bench/issue10/v12/v12.sh first" >&2; exit 1; }
+bash docs/bench/issue10/v9/texts.sh
+bash docs/bench/issue10/v10/eval.sh $H v12 | tee $O/eval-v12.txt
+for A in "" "--answer-tokens 128"; do
+  .venv/bin/eaglespec evaluate --head $H --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
+    $A --json $D/tasks${A:+128}-v12.json 2>&1 | grep "^held-out" | sed "s/^/v12 /" | tee -a $O/eval-tasks.txt
+done
+mkdir -p $O/texts && cp $D/*-v12.json $O/texts/
+[ -n "${OFFLINE_ONLY:-}" ] && exit 0
+EXTRA_HEADS="v11=heads/smollm2-135m-instruct-v11" bash docs/bench/issue10/live.sh $H v12 $O

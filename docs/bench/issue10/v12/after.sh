@@ -6,7 +6,7 @@
 #   bash docs/bench/issue10/v12/after.sh
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
-H=${H:-runs/v12/head-v12/head}
+H=${H:-runs/v12/head-v12b/head}  # v12: the run with --grown-lr 5e-4 (v12.sh's GROWN_LR)
 O=docs/bench/issue10/v12
 D=runs/s24/first/ev
 [ -f $H/config.json ] || { echo "no finished v12 head at $H: run docs/bench/issue10/v12/v12.sh first" >&2; exit 1; }

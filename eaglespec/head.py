@@ -84,7 +84,7 @@ class EagleHead(nn.Module):
     def setup_cache(self, max_len: int, batch: int = 1):
         w = self.fc.weight
         self.cache = KVCache(self.args.num_hidden_layers, batch, self.args.num_key_value_heads, max_len,
-                             self.args.head_dim, w.dtype, w.device)  # (shared with Eagle3Head: one layer)
+                             self.args.head_dim, w.dtype, w.device)  # one K/V pair per layer
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor | None = None, cache_start: int | None = None) -> torch.Tensor:
@@ -294,10 +294,7 @@ class Eagle3Head(nn.Module):
             return None
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)
 
-    def setup_cache(self, max_len: int, batch: int = 1):
-        w = self.fc.weight
-        self.cache = KVCache(self.args.num_hidden_layers, batch, self.args.num_key_value_heads, max_len,
-                             self.args.head_dim, w.dtype, w.device)  # (shared with Eagle3Head: one layer)
+    setup_cache = EagleHead.setup_cache  # one layer: its args say num_hidden_layers 1
 
     def fuse(self, target_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(target_hidden.to(self.fc.weight.dtype))
@@ -405,7 +402,7 @@ def grown_head(head: EagleHead, layers: int, seed: int = 0) -> EagleHead:
         raise ValueError(f"the head has {n} layers; it can grow, not shrink, to {layers}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        grown = EagleHead(dataclasses.replace(head.args, num_hidden_layers=layers), bias=head.fc.bias is not None,
+        grown = EagleHead(dataclasses.replace(head.args, num_hidden_layers=layers), bias=head.bias,
                           draft_vocab=head.draft_ids)
     missing, unexpected = grown.load_state_dict(head.state_dict(), strict=False)
     assert not unexpected and all(k.startswith("layers.") and int(k.split(".")[1]) >= n for k in missing), \

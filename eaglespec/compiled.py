@@ -185,13 +185,15 @@ class StaticCall:
         return self._fn(*inputs, slots=slots, mask=full)
 
     def _mark_dynamic(self, full, slots, inputs, t: int) -> None:
-        """The sizes a graph is traced with symbolically: the mask's cache length, and with dynamic_t the t."""
+        """The sizes a graph is traced with symbolically: the mask's cache length, and with dynamic_t the t
+        (dim 1 of every input of two or more dims; a 1-D input is the same size for every t)."""
         torch._dynamo.mark_dynamic(full, 1)
         if self.dynamic_t and t > 1:
             for x in (full, slots):
                 torch._dynamo.mark_dynamic(x, 0)
             for x in inputs:
-                torch._dynamo.mark_dynamic(x, 1)
+                if x.dim() > 1:
+                    torch._dynamo.mark_dynamic(x, 1)
 
 
 def compile_fn(fn, mode: str, packed: bool = False):

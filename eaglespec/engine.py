@@ -204,6 +204,18 @@ class _Sampled:
     ranks: RankAcceptance
 
 
+def gumbel(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise from uniforms: -log(-log(U)). Why not -log(Exp(1)): torch.rand is 3x faster than exponential_ on
+    CPU (0.10 against 0.33 ms for 2 x 8k)."""
+    return -torch.log(-torch.log(u.clamp(min=1e-20)))
+
+
+def sampled_mix(sampled: _Sampled, depth: int, device) -> torch.Tensor:
+    """_children's mix for sampled drafts at `depth`: [0, 1/T, the rank scores] (no log-probability in the score,
+    so which children are kept never depends on what was drawn)."""
+    return torch.tensor([0.0, sampled.inv_t] + sampled.ranks.log_scores(depth), device=device)
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer=None, head: EagleHead | None = None,
                  tree: TreeConfig | None = None, max_context: int | None = None, compile: bool | str = False,
@@ -434,15 +446,25 @@ class Engine:
         host = torch.cat([amax[:, None].double(), top.values.double(), ids.double()], dim=1)
         return out, top.values, ids, host
 
-    def _fused_sampled_fn(self, tokens, positions, temperature, q_logp, kids, kid_ok, det, u, *, slots, mask):
+    def _fused_sampled_fn(self, tokens, positions, temperature, q_logp, kids, kid_ok, det, u, gumbel_u, mix, *, slots,
+                          mask):
         """A sampled round's verification with the head's catch-up and depth 1 in the same call (sampled drafts,
         T > 0, no top-k / top-p filter): as _fused_fn, with the argmax replaced by each node's draw under
         verify_sampled's rule (tree_draws: the token that follows the node if it is accepted, from the target's
         distribution; a child is accepted exactly when it is its parent's draw). The rejection sampling runs here
         on uniforms the caller drew, so the head can be fed (feature, next token) before the host knows the
-        path. det: per node, the n-gram chain's child tried first (-1: none). Returns every node's draw, the head's
-        output and its log-probabilities at the draft temperature (the next round draws its children from the last
-        accepted node's row)."""
+        path. det: per node, the n-gram chain's child tried first (-1: none).
+
+        Every node's children for the next round are drawn here too (_children, Gumbel-top-k), with one row of
+        Gumbel noise made from `gumbel_u` (draft vocab,) and the rank scores `mix`: only the last accepted node's
+        are used, and which node that is depends on the draws and u, never on this noise, so they are a fresh
+        sample from its row. Why: drawn on the host after the call (the noise's two logarithms over the draft
+        vocabulary, a top-k, a second read) they made a sampled round's drafting 0.145 plain steps against 0.079 here
+        (docs/performance.md, "Thirty-seventh session").
+
+        Returns every node's draw, the head's output, its log-probabilities at the draft temperature, its
+        children's scores and target ids, and the host's block: each node's draw, children's scores and ids as one
+        float64 tensor (as _fused_fn's), the round's one read."""
         feats, logits = self._target_forward(tokens, positions, mask=mask, cache_start=slots)
         p = torch.softmax(logits[0].float() / temperature[0, :, None], dim=-1)  # target_probs, no filter
         q = q_logp[0].float().exp()
@@ -455,7 +477,9 @@ class Engine:
             draws = tree_draws(p, q, kids[0], kid_ok[0], u[0], det[0])
         out = self.head.first(self.model.embed_tokens(draws[None]), feats, positions, mask=mask, cache_start=slots)[0]
         lq = self._draft_logprobs(out, 1.0 / temperature[0, :, None])
-        return draws, out, lq
+        scores, ids, _ = self._children_of(lq, gumbel(gumbel_u), mix)
+        host = torch.cat([draws[:, None].double(), scores.double(), ids.double()], dim=1)
+        return draws, out, lq, scores, ids, host
 
     def _move_fn(self, src, dst):
         self.model.cache.move_slots(src, dst)
@@ -575,12 +599,8 @@ class Engine:
             return top
 
         def draw(depth: int, rows: int):
-            # -log(-log(U)) beats -log(Exp(1)) here: torch.rand is 3x faster than exponential_ on CPU (0.10 against
-            # 0.33 ms for 2 x 8k)
-            u = torch.rand(rows, vocab, generator=sampled.gen, device=dev)
-            noise = -torch.log(-torch.log(u.clamp_(min=1e-20)))
-            mix = torch.tensor([0.0, sampled.inv_t] + sampled.ranks.log_scores(depth), device=dev)
-            return noise, mix
+            noise = gumbel(torch.rand(rows, vocab, generator=sampled.gen, device=dev))
+            return noise, sampled_mix(sampled, depth, dev)
         return draw
 
     def _choose_tree(self, root: int, cands, depth: int, chain: list[int], policy: TreePolicy | None) -> Tree:
@@ -615,12 +635,13 @@ class Engine:
         return rows, ranks
 
     def _tree_draw_inputs(self, cands, tree: Tree, rows: list[int], ranks: list[int], chain: frozenset,
-                          params: SamplingParams, gen: torch.Generator):
+                          params: SamplingParams, sampled: _Sampled):
         """_fused_sampled_fn's inputs past the tree: per node, the temperature, the draft distribution its children
         were drawn from (q_logp's row), their tokens in the order tried (their rank) and which exist, the n-gram
         chain's child (-1: none; tried first, as a proposal of all its mass on one token, whether or not the head
         drew the same token: tree_draws; `chain`: its tree nodes, _chain_nodes), and fresh uniforms from the
-        generation's generator for the trials, the final draw and the chain's trial."""
+        generation's generator for the trials, the final draw and the chain's trial; then the uniforms and the rank
+        scores the next round's children are drawn with."""
         n, k, dev = len(tree), self.tree.draft_top_k, self.device
         tokens = tree.host_lists()[0]
         kid_tok, kid_ok, q_row = [[0] * k for _ in range(n)], [[False] * k for _ in range(n)], [0] * n
@@ -633,9 +654,11 @@ class Engine:
                     kid_tok[j][ranks[c]], kid_ok[j][ranks[c]] = tokens[c], True
                     q_row[j] = rows[c]
         q = cands.q_logp.index_select(0, torch.tensor(q_row, device=dev))
-        u = torch.rand(1, n, k + 2, generator=gen, dtype=torch.float64, device=dev)
+        u = torch.rand(1, n, k + 2, generator=sampled.gen, dtype=torch.float64, device=dev)
+        gumbel_u = torch.rand(draft_vocab_size(self.head), generator=sampled.gen, device=dev)
         return (torch.full((1, n), params.temperature, device=dev), q[None], torch.tensor([kid_tok], device=dev),
-                torch.tensor([kid_ok], device=dev), torch.tensor([det], device=dev), u)
+                torch.tensor([kid_ok], device=dev), torch.tensor([det], device=dev), u, gumbel_u,
+                sampled_mix(sampled, 1, dev))
 
     def _chain_nodes(self) -> frozenset:
         """The tree nodes the n-gram chain proposed this round (tree node j > 0 is candidate keep[j - 1])."""
@@ -834,26 +857,21 @@ class Engine:
         if way == "sampled-fused":
             rows, ranks = self._sampled_rows(cands, tree)
             chain = self._chain_nodes()
-            draws, h_out, h_lq = self._fused_sampled_call(
-                tokens_in, positions, *self._tree_draw_inputs(cands, tree, rows, ranks, chain, params, gen),
+            _, out, lq, scores, ids, host = self._fused_sampled_call(
+                tokens_in, positions, *self._tree_draw_inputs(cands, tree, rows, ranks, chain, params, sampled),
                 cache_start=cur, t=n, mask=mask)
-            draws = draws.tolist()  # the round's one read: every node's next token, drawn by verify_sampled's rule
+            # the round's one read: every node's draw (by verify_sampled's rule: the token that follows it) and its
+            # children for the next round
+            block = host.tolist()
+            draws = [int(r[0]) for r in block]
             path, bonus, new = greedy_accept(tree, draws)
             sampled.ranks.observe(trials_from_draws(tree, path, draws, ranks, chain))
-
-            def next_root():  # the last accepted node's head row; its children drawn from the head's distribution
-                scores, ids, lq = self._children_of(h_lq[path[-1]][None], *inputs(1, 1))
-                return h_out[path[-1]], scores[0], ids[0], lq[0], None
-            return path, bonus, new, next_root
+            return path, bonus, new, self._next_root(out, scores, ids, lq, block, path[-1])
         if way == "fused":
-            h_out, h_scores, h_ids, h_host = self._fused_call(tokens_in, positions, cache_start=cur, t=n, mask=mask)
-            rows = h_host.tolist()  # the round's one read: every node's argmax and top-k
-            path, bonus, new = greedy_accept(tree, [int(r[0]) for r in rows])
-            last, k = path[-1], self.tree.draft_top_k
-            # the head caught up inside the verification: the last accepted node is the next root, and its
-            # children are on the host already (a depth-1 round then reads nothing more)
-            host = HostCandidates([int(x) for x in rows[last][1 + k:]], [-1] * k, [1] * k, rows[last][1:1 + k])
-            return path, bonus, new, lambda: (h_out[last], h_scores[last], h_ids[last], None, host)
+            out, scores, ids, host = self._fused_call(tokens_in, positions, cache_start=cur, t=n, mask=mask)
+            block = host.tolist()  # the round's one read: every node's argmax and top-k
+            path, bonus, new = greedy_accept(tree, [int(r[0]) for r in block])
+            return path, bonus, new, self._next_root(out, scores, ids, None, block, path[-1])
         f, lg, amax = self._verify_forward(tree.tokens, cur + tree.depths, cur, mask)
         if params.greedy:
             path, bonus, new = greedy_accept(tree, amax)
@@ -871,6 +889,15 @@ class Engine:
             path_t = torch.tensor(path + [0] * (self._pad - len(path)), device=self.device)
             return *self._catchup(new, f, path_t, cur, inputs), None
         return path, bonus, new, next_root
+
+    def _next_root(self, out, scores, ids, lq, block: list[list[float]], last: int):
+        """A fused round's next_root: the head caught up inside the verification, so the last accepted node is the
+        next root, and its children are on the host already (a depth-1 round then reads nothing more). out, scores,
+        ids, lq: every node's head output, children's scores and target ids, and (sampled rounds; else None)
+        log-probabilities; block: the call's host block, each node's [token, k scores, k ids]."""
+        k = self.tree.draft_top_k
+        host = HostCandidates([int(x) for x in block[last][1 + k:]], [-1] * k, [1] * k, block[last][1:1 + k])
+        return lambda: (out[last], scores[last], ids[last], None if lq is None else lq[last], host)
 
     def _compact(self, path: list[int], n: int, cur: int, both: bool) -> None:
         """Move the accepted nodes' cache entries (the head's too where it ran inside the verification) into the
@@ -985,9 +1012,11 @@ class Engine:
             kid_ok[0, 0, :min(k, n - 1)] = True
             det = torch.full((1, n), -1, dtype=torch.long, device=dev)
             u = torch.rand(1, n, k + 2, dtype=torch.float64, device=dev)
-            draws = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids, kid_ok, det,
-                                             u, cache_start=context, t=n, mask=mask)[0]
-            draws.tolist()
+            gumbel_u = torch.rand(draft_vocab_size(self.head), device=dev)
+            mix = torch.linspace(0.0, -float(k), k + 2, device=dev)  # any rank scores: the shape is what counts
+            host = self._fused_sampled_call(toks[None], pos[None], torch.ones(1, n, device=dev), q, kids, kid_ok, det,
+                                                                            u, gumbel_u, mix, cache_start=context, t=n, mask=mask)[-1]
+            host.tolist()
             return
         if fused:
             amax = self._fused_call(toks[None], pos[None], cache_start=context, t=n, mask=mask)[3]

@@ -23,6 +23,6 @@ if [ ! -f $DATA ]; then
 fi
 AUTOCAST=$(grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && echo bf16 || echo off)
 RESUME=$([ -d $OUT/checkpoint ] && echo --resume || true)
-.venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct --out $OUT \
+.venv/bin/eaglespec train --data $DATA --max-len 1024 --init-head heads/smollm2-135m-instruct-v9 --out $OUT \
   --epochs 1 --batch-tokens 4096 --lr ${LR:-1e-4} --warmup-steps 20 --save-every 50 --eval-conversations 40 \
   --autocast $AUTOCAST ${EXTRA:-} $RESUME

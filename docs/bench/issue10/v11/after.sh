@@ -13,7 +13,7 @@ D=runs/s24/first/ev
 bash docs/bench/issue10/v9/texts.sh
 bash docs/bench/issue10/v10/eval.sh $H v11 | tee $O/eval-v11.txt
 for N in v9 v11; do
-  HH=$([ $N = v9 ] && echo heads/smollm2-135m-instruct || echo $H)
+  HH=$([ $N = v9 ] && echo heads/smollm2-135m-instruct-v9 || echo $H)
   .venv/bin/eaglespec evaluate --head $HH --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
     --json $D/tasks-$N.json 2>&1 | grep "^held-out" | sed "s/^/$N /" | tee -a $O/eval-tasks.txt
   .venv/bin/eaglespec evaluate --head $HH --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
@@ -21,4 +21,4 @@ for N in v9 v11; do
 done
 mkdir -p $O/texts && cp $D/*-v11.json $D/tasks*-v9.json $O/texts/
 [ -n "${OFFLINE_ONLY:-}" ] && exit 0
-bash docs/bench/issue10/live.sh $H v11 $O
+BASE=heads/smollm2-135m-instruct-v9 bash docs/bench/issue10/live.sh $H v11 $O

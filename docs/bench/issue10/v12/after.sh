@@ -18,4 +18,4 @@ for A in "" "--answer-tokens 128"; do
 done
 mkdir -p $O/texts && cp $D/*-v12.json $O/texts/
 [ -n "${OFFLINE_ONLY:-}" ] && exit 0
-EXTRA_HEADS="v11=heads/smollm2-135m-instruct-v11" bash docs/bench/issue10/live.sh $H v12 $O
+BASE=heads/smollm2-135m-instruct-v9 EXTRA_HEADS="v11=heads/smollm2-135m-instruct" bash docs/bench/issue10/live.sh $H v12 $O

@@ -12,13 +12,8 @@ D=runs/s24/first/ev
 [ -f $H/config.json ] || { echo "no finished v11 head at $H: run docs/bench/issue10/v11/v11.sh first" >&2; exit 1; }
 bash docs/bench/issue10/v9/texts.sh
 bash docs/bench/issue10/v10/eval.sh $H v11 | tee $O/eval-v11.txt
-for N in v9 v11; do
-  HH=$([ $N = v9 ] && echo heads/smollm2-135m-instruct-v9 || echo $H)
-  .venv/bin/eaglespec evaluate --head $HH --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
-    --json $D/tasks-$N.json 2>&1 | grep "^held-out" | sed "s/^/$N /" | tee -a $O/eval-tasks.txt
-  .venv/bin/eaglespec evaluate --head $HH --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
-    --answer-tokens 128 --json $D/tasks128-$N.json 2>&1 | grep "^held-out" | sed "s/^/$N /" | tee -a $O/eval-tasks.txt
-done
+bash docs/bench/issue10/tasks-eval.sh heads/smollm2-135m-instruct-v9 v9 $O
+bash docs/bench/issue10/tasks-eval.sh $H v11 $O
 mkdir -p $O/texts && cp $D/*-v11.json $D/tasks*-v9.json $O/texts/
 [ -n "${OFFLINE_ONLY:-}" ] && exit 0
 BASE=heads/smollm2-135m-instruct-v9 bash docs/bench/issue10/live.sh $H v11 $O

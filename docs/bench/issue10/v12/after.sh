@@ -12,10 +12,7 @@ D=runs/s24/first/ev
 [ -f $H/config.json ] || { echo "no finished v12 head at $H: run docs/bench/issue10/v12/v12.sh first" >&2; exit 1; }
 bash docs/bench/issue10/v9/texts.sh
 bash docs/bench/issue10/v10/eval.sh $H v12 | tee $O/eval-v12.txt
-for A in "" "--answer-tokens 128"; do
-  .venv/bin/eaglespec evaluate --head $H --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 --eval-conversations 40 \
-    $A --json $D/tasks${A:+128}-v12.json 2>&1 | grep "^held-out" | sed "s/^/v12 /" | tee -a $O/eval-tasks.txt
-done
+bash docs/bench/issue10/tasks-eval.sh $H v12 $O
 mkdir -p $O/texts && cp $D/*-v12.json $O/texts/
 [ -n "${OFFLINE_ONLY:-}" ] && exit 0
 BASE=heads/smollm2-135m-instruct-v9 EXTRA_HEADS="v11=heads/smollm2-135m-instruct" bash docs/bench/issue10/live.sh $H v12 $O

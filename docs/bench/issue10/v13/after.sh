@@ -13,13 +13,8 @@ D=runs/s24/first/ev
 [ -f $H/config.json ] || { echo "no finished v13 head at $H: run docs/bench/issue10/v13/v13.sh first" >&2; exit 1; }
 bash docs/bench/issue10/v9/texts.sh
 bash docs/bench/issue10/v10/eval.sh $H v13 | tee $O/eval-v13.txt
-for N in v11 v13; do
-  HH=$([ $N = v11 ] && echo heads/smollm2-135m-instruct || echo $H)
-  for A in "" "--answer-tokens 128"; do
-    .venv/bin/eaglespec evaluate --head $HH --data corpora/smollm2-135m-instruct/self-tasks --max-len 1024 \
-      --eval-conversations 40 $A --json $D/tasks${A:+128}-$N.json 2>&1 | grep "^held-out" | sed "s/^/$N /" | tee -a $O/eval-tasks.txt
-  done
-done
+bash docs/bench/issue10/tasks-eval.sh heads/smollm2-135m-instruct v11 $O
+bash docs/bench/issue10/tasks-eval.sh $H v13 $O
 mkdir -p $O/texts && cp $D/*-v13.json $O/texts/
 [ -n "${OFFLINE_ONLY:-}" ] && exit 0
 bash docs/bench/issue10/live.sh $H v13 $O

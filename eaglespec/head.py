@@ -87,11 +87,15 @@ class EagleHead(nn.Module):
                              self.args.head_dim, w.dtype, w.device)  # one K/V pair per layer
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor | None = None, cache_start: int | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache_start: int | None = None, ttt_steps: int | None = None):
         """token_embeds, features: (B, T, H); returns the predicted next features (B, T, H).
 
         Position t holds embed(token[t+1]) and feature[t]; see `Transformer.forward` for mask/cache.
+        With `ttt_steps`, the list of `unroll`'s predictions instead (training goes through forward, and
+        so through a DDP wrapper's gradient hooks).
         """
+        if ttt_steps is not None:
+            return self.unroll(token_embeds, features, ttt_steps)
         x = self.fc(torch.cat((token_embeds, features.to(token_embeds.dtype)), dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
         cache = self.cache if cache_start is not None else None
@@ -99,6 +103,41 @@ class EagleHead(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, mask, cache, 0 if cache_start is None else cache_start)
         return x
+
+    def unroll(self, embeds: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """The head's predictions k = 1..depth steps into a draft, for every position at once.
+
+        outs[k-1][:, p] predicts f_{p+1} after a chain of k head steps that started from the true
+        feature f_{p-k+1}: step 1 at position p-k+1 is fed (f_{p-k+1}, x_{p-k+2}); step i > 1 at
+        position p-k+i is fed (the previous step's predicted feature, x_{p-k+i+1}). Tokens stay the real
+        ones. In every layer, each step attends to what that layer's cache would hold when drafting: the
+        true-feature steps at positions <= p-k+1 and the chain's own earlier steps. Valid for p >= k-1
+        (earlier entries are junk). Differentiable: `train --ttt-steps` trains on it.
+
+        Computed chain by chain as Eagle3Head.unroll does (chain[i][:, s]: step i + 1 of the chain that
+        began at s), so that every step's attention is `chain_attention` (no T x T matrix on CPU), then
+        shifted to the predicted positions."""
+        b, t, _ = feats.shape
+        positions = torch.arange(t, device=feats.device)[None].expand(b, -1)
+        x = self.fc(torch.cat((embeds, feats.to(embeds.dtype)), -1))
+        cos, sin = self.rotary(positions, x.dtype)
+        first, own = [], [([], []) for _ in self.layers]  # per layer: step 1's keys/values; the chain's
+        for layer in self.layers:
+            q, k, v = _rotated_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+            first.append((k, v))
+            x = _finish(layer, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        chain = [x]
+        for i in range(1, depth):
+            fed = F.pad(embeds[:, i:], (0, 0, 0, i))  # x_{s+1+i}: the token step i + 1 of the chain at s reads
+            x = self.fc(torch.cat((fed, chain[-1].to(embeds.dtype)), -1))
+            cos, sin = self.rotary(positions + i, x.dtype)
+            for layer, (k0, v0), (ks, vs) in zip(self.layers, first, own):
+                q, k, v = _rotated_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+                ks.append(k), vs.append(v)
+                y = chain_attention(q, k0, v0, torch.stack(ks, -2), torch.stack(vs, -2), 1.0 / math.sqrt(layer.self_attn.hd))
+                x = _finish(layer, x, y)
+            chain.append(x)
+        return [_shift_right(c, i, 1) for i, c in enumerate(chain)]
 
     # ---- the drafting interface shared with Eagle3Head ---------------------------------------------
     # first(): the head on the target's own features (catch-up after a verification, prefill);
@@ -152,6 +191,19 @@ def _rotated_qkv(attn: Attention, x: torch.Tensor, cos, sin):
         rep = attn.n_heads // attn.n_kv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return q, k, v
+
+
+def _finish(layer, x, y):
+    b, h, t, d = y.shape
+    x = x + layer.self_attn.o_proj(y.transpose(1, 2).reshape(b, t, h * d))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _shift_right(x: torch.Tensor, s: int, dim: int) -> torch.Tensor:
+    if s == 0:
+        return x
+    pad = torch.zeros_like(x.narrow(dim, 0, s))
+    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - s)], dim)
 
 
 def chain_attention_reference(q, k0, v0, kc, vc, scale: float) -> torch.Tensor:

@@ -16,6 +16,11 @@ cross-entropy at step i to the target's distribution over the draft vocabulary, 
 positions step i is scored at (its fed token the assistant's, the target's best token draftable).
 No feature regression and no input noise, as in the official EAGLE-3 trainer.
 
+With `--ttt-steps K` > 1 an EAGLE-1 head is trained on its own predictions too (EagleHead.unroll, HASS's
+"harmonized context alignment", arXiv 2408.15766): the loss above at each of K unrolled steps, step k's
+prediction at t regressing the same f_{t+1} from a chain that began k - 1 positions earlier, weighted
+0.8^(k-1) as EAGLE-3's steps are.
+
 OUT/head (latest head, `--head OUT/head`), OUT/checkpoint/ (head + optimizer, position and RNG
 state for --resume), OUT/metrics.jsonl (held-out evaluations), OUT/train_log.jsonl (every step),
 OUT/card.md (at the end). Under `torchrun --nproc_per_node N` it trains data-parallel; step s then
@@ -26,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shlex
 import shutil
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 from .data import make_batches, split
 from .features import (FeatureStore, add_arch_args, add_autocast_arg, add_data_args, add_model_args, autocast_for,
                        forward_autocast, check_positive, load_examples, load_model, model_fingerprint, pad_batch, parse_aux_layers, target_features)
-from .head import EagleHead, _rotated_qkv, grown_head, load_head, random_eagle3_head, random_head
+from .head import EagleHead, grown_head, load_head, random_eagle3_head, random_head
 
 EVAL_DEPTHS = 4
 DEFAULT_WARMUP = 100
@@ -67,8 +71,10 @@ def add_cli(sub) -> None:
     o.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy to the target's distribution")
     o.add_argument("--loss-weights", default=None, metavar="F,C", help="shorthand for --feature-weight F --ce-weight C (default: unset)")
     add_arch_args(o)
-    o.add_argument("--ttt-steps", type=int, default=7, metavar="K",
-                   help="eagle3: unroll the head K steps on its own outputs (training-time test); step i weighs 0.8**i")
+    o.add_argument("--ttt-steps", type=int, default=None, metavar="K",
+                   help="unroll the head K steps on its own outputs (training-time test); step i weighs 0.8**i. "
+                        "eagle3: its objective (default 7); eagle: the EAGLE-1 loss at every step, as the head "
+                        "drafts from depth 2 on (HASS; default 1: true features only)")
     o.add_argument("--eagle3-output-init", choices=("random", "target"), default="random",
                    help="eagle3: start the head's own norm and lm_head at random (the official recipe) or as a copy "
                         "of the target's final norm and its LM-head rows for the draft vocabulary, so that the "
@@ -235,6 +241,9 @@ class SoftCrossEntropy(torch.autograd.Function):
         return grad_loss * grad, None, None, None
 
 
+TTT_DECAY = 0.8  # step i of the unroll weighs 0.8**i (official EAGLE-3 trainer, eagle/traineagle3/main.py)
+
+
 def shift_inputs(ids, amask, feats):
     """Head inputs and targets from a right-padded batch: tokens and targets shifted left by one."""
     tok_in = F.pad(ids[:, 1:], (0, 1))
@@ -244,9 +253,16 @@ def shift_inputs(ids, amask, feats):
 
 
 def batch_loss(head, target_model, ids, amask, feats, *, noise: float, weights: tuple[float, float],
-               generator: torch.Generator | None, autocast, vocab=None) -> tuple[torch.Tensor, dict]:
+               generator: torch.Generator | None, autocast, vocab=None, steps: int = 1) -> tuple[torch.Tensor, dict]:
     """Loss of one micro-batch; `head` may be the DDP wrapper; `vocab`: (draft LM head rows, their ids)
-    or None for the whole vocabulary. Returns (loss, float statistics); top-1 is within the draft vocabulary."""
+    or None for the whole vocabulary. Returns (loss, float statistics: the loss optimised, then the feature
+    loss, cross-entropy and hits of the first step); top-1 is within the draft vocabulary.
+
+    steps > 1: the head is also trained on its own predicted features, as it drafts from depth 2 on
+    (`EagleHead.unroll`; HASS, arXiv 2408.15766): step k's prediction at p, from a chain that began k - 1
+    positions earlier on the true feature, regresses the same target f_{p+1}; step k weighs
+    TTT_DECAY**(k-1). Why: a head trained on true features only meets its own, noisier ones at every
+    depth past the first, and its top-1 drops there (docs/training.md)."""
     tok_in, counted, target = shift_inputs(ids, amask, feats)
     feat_in = feats.float()
     if noise:
@@ -256,27 +272,32 @@ def batch_loss(head, target_model, ids, amask, feats, *, noise: float, weights: 
     with torch.no_grad():
         embeds = target_model.embed_tokens(tok_in)
     with autocast():
-        pred = head(embeds, feat_in, positions)
+        outs = head(embeds, feat_in, positions, ttt_steps=steps) if steps > 1 else [head(embeds, feat_in, positions)]
     sel = counted.bool()
     n = int(sel.sum())
     if n == 0:  # nothing to learn here; keep every parameter in the graph for DDP
-        return pred.sum() * 0.0, {"loss": 0.0, "feature_loss": 0.0, "ce_loss": 0.0, "top1": 0, "top3": 0, "n": 0}
-    p, t = pred[sel].float(), target[sel].float()
-    feature_loss = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
-    if weights[1]:
-        w, draft_ids = vocab or (target_model.lm_head.weight, None)
-        ce_loss, hits = SoftCrossEntropy.apply(p, t, w, draft_ids)
-    else:  # the LM head passes are most of a step's cost on CPU: skip them when unused
-        ce_loss, hits = torch.zeros(()), torch.full((2,), -1)
-    loss = weights[0] * feature_loss + weights[1] * ce_loss
-    return loss, {"loss": loss.item(), "feature_loss": feature_loss.item(), "ce_loss": ce_loss.item(),
-                  "top1": int(hits[0]), "top3": int(hits[1]), "n": n}
+        return sum(o.sum() for o in outs) * 0.0, {"loss": 0.0, "feature_loss": 0.0, "ce_loss": 0.0, "top1": 0,
+                                                  "top3": 0, "n": 0}
+    pos, t_all = positions[sel], target[sel].float()
+    loss = 0.0
+    for k, out in enumerate(outs):
+        valid = pos >= k  # a chain of k + 1 steps needs a start at p - k >= 0
+        p, t = out[sel][valid].float(), t_all[valid]
+        feature_loss = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
+        if weights[1]:
+            w, draft_ids = vocab or (target_model.lm_head.weight, None)
+            ce_loss, hits = SoftCrossEntropy.apply(p, t, w, draft_ids)
+        else:  # the LM head passes are most of a step's cost on CPU: skip them when unused
+            ce_loss, hits = torch.zeros(()), torch.full((2,), -1)
+        step_loss = weights[0] * feature_loss + weights[1] * ce_loss
+        loss = loss + TTT_DECAY ** k * step_loss
+        if k == 0:
+            stats = {"feature_loss": feature_loss.item(), "ce_loss": ce_loss.item(), "top1": int(hits[0]),
+                     "top3": int(hits[1]), "n": n}
+    return loss, {"loss": loss.item(), **stats}
 
 
 # ---- EAGLE-3: training-time test -----------------------------------------------------------------------
-
-TTT_DECAY = 0.8  # step i of the unroll weighs 0.8**i (official EAGLE-3 trainer, eagle/traineagle3/main.py)
-
 
 def ttt_targets(target_model, ids, amask, feats, vocab, full: bool = False, memo=None):
     """What every unrolled step is scored against, computed once per batch (the steps only shift it).
@@ -475,71 +496,6 @@ def ttt_evaluate(head, target_model, source, batches, steps: int, autocast, dept
 
 # ---- evaluation: the head fed its own features, as when drafting -------------------------------------
 
-def _finish(layer, x, y):
-    b, h, t, d = y.shape
-    x = x + layer.self_attn.o_proj(y.transpose(1, 2).reshape(b, t, h * d))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-def _shift_right(x: torch.Tensor, s: int, dim: int) -> torch.Tensor:
-    if s == 0:
-        return x
-    pad = torch.zeros_like(x.narrow(dim, 0, s))
-    return torch.cat([pad, x.narrow(dim, 0, x.shape[dim] - s)], dim)
-
-
-def unrolled_predictions(head: EagleHead, embeds: torch.Tensor, feats: torch.Tensor, depth: int) -> list[torch.Tensor]:
-    """The head's predictions k = 1..depth steps into a draft, for every position at once.
-
-    outs[k-1][:, p] predicts f_{p+1} after a chain of k head steps that started from the true
-    feature f_{p-k+1}: step 1 at position p-k+1 is fed (f_{p-k+1}, x_{p-k+2}); step i > 1 at
-    position p-k+i is fed (the previous step's predicted feature, x_{p-k+i+1}). Tokens stay the real
-    ones. In every layer, each step attends to what that layer's cache would hold when drafting: the
-    true-feature steps at positions <= p-k+1 and the chain's own earlier steps. Valid for p >= k-1.
-    """
-    b, t, _ = feats.shape
-    positions = torch.arange(t, device=feats.device)[None].expand(b, -1)
-    idx = torch.arange(t, device=feats.device)
-    x = head.fc(torch.cat((embeds, feats.to(embeds.dtype)), -1))
-    cos, sin = head.rotary(positions, x.dtype)
-    first, chain = [], [[] for _ in head.layers]  # per layer: step 1's keys/values; steps 2..'s
-    for layer in head.layers:
-        q, k, v = _rotated_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
-        first.append((k, v))
-        x = _finish(layer, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    outs = [x]
-    for step in range(2, depth + 1):
-        fed = _shift_right(outs[-1], 1, 1)  # position p gets the previous step's prediction made at p-1
-        x = head.fc(torch.cat((embeds, fed.to(embeds.dtype)), -1))
-        for layer, (k1, v1), own in zip(head.layers, first, chain):
-            q, k, v = _rotated_qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
-            own.append((k, v))
-            x = _finish(layer, x, _chain_step_attention(q, k1, v1, own, step, idx, 1.0 / math.sqrt(layer.self_attn.hd)))
-        outs.append(x)
-    return outs
-
-
-def _chain_step_attention(q, k1, v1, own, step: int, idx, scale: float) -> torch.Tensor:
-    """Step `step` >= 2 of `unrolled_predictions` in one layer: the true-feature keys k1/v1 up to the
-    chain's start (lag step - 1), then the chain's own steps 2..step (`own`, their keys and values, the
-    last being this step's)."""
-    t = idx.numel()
-    prefix = (q @ k1.transpose(-1, -2)) * scale
-    prefix = prefix.masked_fill(idx[None, :] > idx[:, None] - (step - 1), float("-inf"))
-    chain_s, chain_v = [], []
-    for i in range(2, step + 1):  # the chain's step i sits at p - (step - i)
-        s = step - i
-        ki, vi = _shift_right(own[i - 2][0], s, 2), _shift_right(own[i - 2][1], s, 2)
-        score = (q * ki).sum(-1, keepdim=True) * scale
-        chain_s.append(score.masked_fill((idx < s)[:, None], float("-inf")))
-        chain_v.append(vi)
-    probs = torch.cat([prefix] + chain_s, -1).float().softmax(-1).to(q.dtype)
-    y = probs[..., :t] @ v1
-    for j, vi in enumerate(chain_v):
-        y = y + probs[..., t + j:t + j + 1] * vi
-    return y
-
-
 @torch.no_grad()
 def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], weights, autocast,
              depth: int = EVAL_DEPTHS, vocab=None) -> dict:
@@ -554,7 +510,7 @@ def evaluate(head: EagleHead, target_model, source, batches: list[list[int]], we
         ids, amask, feats = source.batch(b)
         tok_in, counted, target = shift_inputs(ids, amask, feats)
         with autocast():
-            outs = unrolled_predictions(head, target_model.embed_tokens(tok_in), feats.float(), depth)
+            outs = head.unroll(target_model.embed_tokens(tok_in), feats.float(), depth)
         sel = counted.bool()
         n = int(sel.sum())
         if n == 0:
@@ -760,6 +716,8 @@ def split_seed(args) -> int:
 
 
 def validate(args) -> None:
+    if args.ttt_steps is None:
+        args.ttt_steps = 7 if args.arch == "eagle3" else 1
     check_positive(max_conversations=args.max_conversations, max_len=args.max_len, batch_tokens=args.batch_tokens,
                    epochs=args.epochs, grad_accum=args.grad_accum, max_steps=args.max_steps,
                    eval_conversations=args.eval_conversations, ttt_steps=args.ttt_steps, head_layers=args.head_layers)
@@ -1153,8 +1111,8 @@ def schedule(args, data: RunData, aux, world: int, log) -> Schedule:
     plan = {"epochs": args.epochs, "total_steps": total_steps, "lr": args.lr, "warmup_steps": args.warmup_steps}
     if args.grown_lr is not None:  # absent when unset, so runs from before the option resume unchanged
         plan["grown_lr"] = args.grown_lr
-    if aux is not None:  # another unroll depth is another objective: a resume keeps it (or --replan)
-        plan["ttt_steps"] = args.ttt_steps
+    if aux is not None or args.ttt_steps > 1:  # another unroll depth is another objective: a resume keeps it
+        plan["ttt_steps"] = args.ttt_steps    # (or --replan); absent for EAGLE-1 at 1, so older runs resume
         if args.eagle3_feature_weight:  # absent when 0, so runs from before the option resume unchanged
             plan["eagle3_feature_weight"] = args.eagle3_feature_weight
     log(f"train: {len(data.train_rows):,} records ({sum(lengths):,} tokens), held-out {len(data.held_rows):,} "
@@ -1335,8 +1293,8 @@ class TrainRun:
                                              autocast=self.autocast, vocab=self.train_vocab, memo=src.memo(b),
                                              feature_weight=a.eagle3_feature_weight)
                 else:
-                    loss, s = batch_loss(self.model, self.target, ids, amask, feats, noise=a.noise,
-                                         weights=self.weights, generator=gen, autocast=self.autocast, vocab=self.train_vocab)
+                    loss, s = batch_loss(self.model, self.target, ids, amask, feats, noise=a.noise, weights=self.weights,
+                                         generator=gen, autocast=self.autocast, vocab=self.train_vocab, steps=a.ttt_steps)
                 (loss / a.grad_accum).backward()
             stats[:7] += torch.tensor([s["loss"], s["feature_loss"], s["ce_loss"], s["top1"], s["top3"], s["n"],
                                        sum(src.lengths[i] for i in b)], dtype=torch.float64)
@@ -1470,7 +1428,9 @@ def write_card(out: Path, state, data_desc, data_summary, ev, total_steps, args,
          + ("; norm and lm_head started as the target's" if args.eagle3_output_init == "target"
             and not args.init_head else "") if args.arch == "eagle3" else
          f"- Objective: {weights[0]} x SmoothL1(feature) + {weights[1]} x CE(target distribution); "
-         f"noise U(-{args.noise}, {args.noise}) (not length-scaled)"),
+         f"noise U(-{args.noise}, {args.noise}) (not length-scaled)"
+         + (f"; at each of {args.ttt_steps} steps unrolled on the head's own features, step i weighing {TTT_DECAY}^i"
+            if args.ttt_steps > 1 else "")),
         ("- Draft vocabulary: the whole vocabulary" if head_vocab is None else
          f"- Draft vocabulary: {head_vocab[0]:,} "
          + (f"tokens of the initial head ({args.init_head})" if args.init_head else "most frequent assistant tokens")

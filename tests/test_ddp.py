@@ -60,6 +60,11 @@ def test_two_process_ddp_matches_one_process_with_grad_accum(tmp_path):
     assert "torchrun --nproc_per_node 2" in card and "2 process(es)" in card
 
 
+def test_unrolled_eagle1_ddp_matches_one_process_with_grad_accum(tmp_path):
+    """--ttt-steps 3 on an EAGLE-1 head goes through the DDP wrapper's forward (EagleHead.forward(ttt_steps=))."""
+    ddp_matches_grad_accum(tmp_path, ["--ttt-steps", "3"], steps=2)
+
+
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """A signal that reaches rank 1 alone (rank 0 never sees one) still stops both ranks after the same step,
     rank 0 checkpoints it, and a resume under torchrun finishes with both ranks bit-identical."""

@@ -16,7 +16,7 @@ from eaglespec.cli import main
 from eaglespec.head import load_head, random_head
 from eaglespec.loading import load_target, load_tokenizer
 from eaglespec.testing import make_tiny_checkpoint
-from eaglespec.train import SoftCrossEntropy, batch_loss, shift_inputs, unrolled_predictions
+from eaglespec.train import SoftCrossEntropy, batch_loss, shift_inputs
 from eaglespec.features import FeatureStore
 
 WORDS = ("the quick brown fox jumps over a lazy dog while speculative decoding drafts tokens cheaply and the "
@@ -124,7 +124,7 @@ def test_shift_inputs_masks_by_the_fed_token():
 
 
 @pytest.mark.parametrize("layers", (1, 2))
-def test_unrolled_predictions_match_drafting_with_the_cache(target, layers):
+def test_unroll_matches_drafting_with_the_cache(target, layers):
     """Step k of the parallel unroll at position p == a k-step chain drafted through the head's KV cache
     (with two layers, each keeps its own cache and the second normalises its input)."""
     head = random_head(target.args, seed=3, layers=layers).eval()
@@ -135,7 +135,7 @@ def test_unrolled_predictions_match_drafting_with_the_cache(target, layers):
         feats, _ = target(ids, torch.arange(t)[None], logits=False)
         tok_in = F.pad(ids[:, 1:], (0, 1))
         embeds = target.embed_tokens(tok_in)
-        outs = unrolled_predictions(head, embeds, feats, 4)
+        outs = head.unroll(embeds, feats, 4)
         direct = head(embeds, feats, torch.arange(t)[None])
         assert torch.allclose(outs[0], direct, atol=1e-5)
         for k in (2, 3, 4):
@@ -173,6 +173,44 @@ def test_a_few_steps_on_a_fixed_batch_reduce_the_loss(target, tiny):
         losses.append(stats["loss"])
     assert stats["n"] == int(amask[:, 1:].sum())
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_unrolled_loss_is_each_steps_loss_decayed(target):
+    """batch_loss(steps=K): sum over k of 0.8^k x (SmoothL1 + 0.1 CE) of EagleHead.unroll's step k + 1, each over
+    the counted positions p >= k (a chain of k + 1 steps starts at p - k), against the same next feature; its
+    statistics (but the loss) are step 1's, as with steps=1; gradients reach the head through every step."""
+    from eaglespec.features import target_features
+    from eaglespec.train import TTT_DECAY
+    torch.manual_seed(0)
+    ids = torch.randint(3, target.args.vocab_size, (2, 10))
+    amask = torch.zeros(2, 10, dtype=torch.bool)
+    amask[0, 3:], amask[1, 5:9] = True, True
+    with torch.no_grad():
+        feats = target_features(target, ids)
+    head = random_head(target.args, seed=4)
+    one, s1 = batch_loss(head, target, ids, amask, feats, noise=0.0, weights=(1.0, 0.1), generator=None,
+                         autocast=contextlib.nullcontext)
+    three, s3 = batch_loss(head, target, ids, amask, feats, noise=0.0, weights=(1.0, 0.1), generator=None,
+                           autocast=contextlib.nullcontext, steps=3)
+    tok_in, counted, tgt = shift_inputs(ids, amask, feats)
+    with torch.no_grad():
+        outs = head.unroll(target.embed_tokens(tok_in), feats, 3)
+    pos = torch.arange(10)[None].expand(2, -1)
+    want = 0.0
+    for k in range(3):
+        sel = counted.bool() & (pos >= k)
+        p, t = outs[k][sel], tgt[sel]
+        fl = F.smooth_l1_loss(p, t, reduction="none").mean(-1).mean()
+        ce = -(torch.softmax(t @ target.lm_head.weight.T, -1) * torch.log_softmax(p @ target.lm_head.weight.T, -1)).sum(-1).mean()
+        want = want + TTT_DECAY ** k * (fl + 0.1 * ce)
+        if k == 0:
+            assert one.item() == pytest.approx(float(fl + 0.1 * ce), rel=1e-5)
+    assert three.item() == pytest.approx(float(want), rel=1e-5) and three.item() > one.item()
+    assert s3["loss"] == pytest.approx(three.item()) and s1["loss"] == pytest.approx(one.item())
+    assert {k: s3[k] for k in ("feature_loss", "ce_loss", "top1", "top3", "n")} == \
+        {k: s1[k] for k in ("feature_loss", "ce_loss", "top1", "top3", "n")}
+    three.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in head.parameters())
 
 
 # ---- the command --------------------------------------------------------------------------------------
@@ -545,6 +583,21 @@ def test_init_head_fine_tunes_a_trained_head(trained, tiny, chats, tmp_path, cap
     assert cli(*common(tiny, chats, tmp_path / "ft3", "--init-head", trained / "head", "--arch", "eagle3")) == 2
     err = capsys.readouterr().err.strip()
     assert "--init-head" in err and len(err.splitlines()) == 1
+
+
+def test_unrolled_eagle1_training_runs_records_its_objective_and_keeps_it_on_resume(trained, tiny, chats, tmp_path, capsys):
+    """train --ttt-steps 3 on an EAGLE-1 head: it learns, its card and plan say so, and a resume with another
+    depth is refused in one line (another objective)."""
+    out = tmp_path / "unrolled"
+    assert cli(*common(tiny, chats, out, "--ttt-steps", 3, "--max-steps", 6, "--save-every", 3)) == 0
+    log = read_jsonl(out / "train_log.jsonl")
+    assert len(log) == 6 and log[-1]["loss"] < log[0]["loss"]
+    assert "at each of 3 steps unrolled" in (out / "card.md").read_text()
+    assert "unrolled" not in (trained / "card.md").read_text()
+    capsys.readouterr()
+    assert cli(*common(tiny, chats, out, "--ttt-steps", 2, "--max-steps", 6, "--resume")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "ttt_steps 3 -> 2" in err and "Traceback" not in err
 
 
 def test_init_head_grows_to_more_layers_and_starts_where_it_was(trained, tiny, chats, tmp_path, capsys):

@@ -13,7 +13,7 @@ Both arms train in lockstep on the same batches (one target forward feeds both),
 they share a shape, the recipe of docs/training.md's from-scratch A/Bs (batch <= 4,096 tokens, lr 6e-4, 12
 warm-up steps, SmoothL1 + 0.1 CE, feature noise 0.1, clip 0.5, bf16 target forward), v11's draft vocabulary.
 Scored on 40 regenerated conversations that neither trained on: top-1 against the target's argmax at depths 1-3
-(the head fed its own predictions; unrolled_predictions), B with and without its extra input at depth 1.
+(the head fed its own predictions; EagleHead.unroll), B with and without its extra input at depth 1.
 
     python docs/bench/issue10/fused-input/probe.py [TRAIN_CONVERSATIONS] [SEED] > out.txt
 
@@ -37,8 +37,7 @@ from torch import nn
 from eaglespec.features import forward_autocast, load_examples, pad_batch, target_features
 from eaglespec.head import load_head, random_head
 from eaglespec.loading import load_target, load_tokenizer
-from eaglespec.train import (CE_CHUNK, SoftCrossEntropy, _logits, clip_gradients, lr_at, shift_inputs,
-                             unrolled_predictions)
+from eaglespec.train import CE_CHUNK, SoftCrossEntropy, _logits, clip_gradients, lr_at, shift_inputs
 
 n_train = int(sys.argv[1]) if len(sys.argv) > 1 else 500
 seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
@@ -198,7 +197,7 @@ def score(head, mode, exs):
         final = feats[..., :h]
         tok_in, counted, tgt = shift_inputs(ids, amask, final)
         x = final if mode == "A" else aux_in(feats) if mode == "B" else torch.cat([final, final.new_zeros(*final.shape[:-1], 3 * h)], -1)
-        outs = unrolled_predictions(head, target.embed_tokens(tok_in), x, 3)
+        outs = head.unroll(target.embed_tokens(tok_in), x, 3)
         sel = counted.bool()
         best = torch.cat([_logits(r, full_w).argmax(-1) for r in tgt[sel].split(CE_CHUNK)])
         pos = torch.arange(ids.shape[1])[None].expand_as(sel)[sel]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eaglespec import cpugemm
-from eaglespec.engine import Engine
+from eaglespec.engine import Engine, _Timers
 
 pytestmark = pytest.mark.skipif(cpugemm.why_unavailable() is not None,
                                 reason=f"few-row GEMM unavailable: {cpugemm.why_unavailable()}")
@@ -504,6 +504,31 @@ def test_an_engine_on_int8_activations_decodes_as_its_own_plain_decoding(make_or
         want = engine.generate(input_ids=prompt, method="vanilla", max_new_tokens=40, temperature=0).token_ids
         got = engine.generate(input_ids=prompt, method="eagle", max_new_tokens=40, temperature=0)
         assert got.token_ids == want
+
+
+@needs_int8
+@needs_attention
+def test_int8_verification_rows_have_the_decoding_steps_bits_at_any_tree_size(make_oracle_pair, monkeypatch):
+    """Every row of a verification, up to 64 of them, gives the logits the one-token step gives at that
+    position, bit for bit: on int8 activations a last-bit difference in attention grows into other tokens.
+    (Up to the thirty-ninth session attention above 32 rows went to torch's kernel: a 60-node tree then lost
+    losslessness on the default model.)"""
+    monkeypatch.setenv("EAGLESPEC_CPU_QUANT", "int8")
+    model, head = make_oracle_pair(noise=0.3)
+    engine = Engine(as_gguf_blocks(model), None, head)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 200, (30,)).tolist()
+    tokens = torch.randint(0, 200, (64,))
+    for n in (17, 33, 64):
+        with torch.inference_mode():
+            engine._ensure_cache(256)
+            engine._prefill(prompt, _Timers())
+            cur = len(prompt)
+            _, rows, _ = engine._verify_forward(tokens[:n], torch.arange(cur, cur + n), cur,
+                                                mask=torch.ones(n, n, dtype=torch.bool).tril())
+            for i in range(n):
+                _, one, _ = engine._verify_forward(tokens[i:i + 1], torch.tensor([cur + i]), cur + i)
+                assert torch.equal(rows[i], one[0]), (n, i)
 
 
 def test_a_bad_quant_mode_is_one_clear_error(monkeypatch):

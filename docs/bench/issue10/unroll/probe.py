@@ -28,7 +28,7 @@ from eaglespec.data import make_batches, split
 from eaglespec.features import forward_autocast, load_examples, pad_batch, target_features
 from eaglespec.head import load_head
 from eaglespec.loading import load_target, load_tokenizer
-from eaglespec.train import CE_CHUNK, _logits, batch_loss, clip_gradients, lr_at, shift_inputs
+from eaglespec.train import batch_loss, clip_gradients, eval_metrics, evaluate, lr_at
 
 n_train = int(sys.argv[1]) if len(sys.argv) > 1 else 800
 seed = int(sys.argv[2]) if len(sys.argv) > 2 else 0
@@ -93,26 +93,23 @@ for step, b in enumerate(train_b):
         stats = {k: [0, 0] for k in heads}
 
 
-@torch.no_grad()
+class Texts:
+    """A text set as `train.evaluate` reads it: batches of indices -> (ids, mask, features)."""
+
+    def __init__(self, exs):
+        self.exs = exs
+
+    def batch(self, b):
+        return batch(self.exs, b)
+
+
 def score(head, exs):
-    """top-1 against the target's argmax at depths 1-3 over exs' assistant positions (the denominator counts the
-    positions too early for a k-step chain as misses, as `eaglespec evaluate` does)."""
-    head.eval()
-    hits, n = torch.zeros(3), 0
-    for i in range(0, len(exs), 8):
-        ids, amask, feats = batch(exs, list(range(i, min(i + 8, len(exs)))))
-        tok_in, counted, tgt = shift_inputs(ids, amask, feats)
-        outs = head.unroll(target.embed_tokens(tok_in), feats, 3)
-        sel = counted.bool()
-        best = torch.cat([_logits(r, full_w).argmax(-1) for r in tgt[sel].split(CE_CHUNK)])
-        pos = torch.arange(ids.shape[1])[None].expand_as(sel)[sel]
-        n += int(sel.sum())
-        for k in range(3):
-            valid = pos >= k
-            guess = draft_ids[torch.cat([_logits(r, vocab[0]).argmax(-1) for r in outs[k][sel][valid].split(CE_CHUNK)])]
-            hits[k] += int((guess == best[valid]).sum())
-    head.train()
-    return [round(float(x) / n, 4) for x in hits], n
+    """top-1 against the target's argmax at depths 1-3 over exs' assistant positions (`eaglespec evaluate`'s
+    numbers: the positions too early for a k-step chain count as misses)."""
+    batches = [list(range(i, min(i + 8, len(exs)))) for i in range(0, len(exs), 8)]
+    sums = evaluate(head, target, Texts(exs), batches, (1.0, 0.1), contextlib.nullcontext, depth=3, vocab=vocab)
+    m = eval_metrics(sums, 3)
+    return [m["top1"], m["top1_depth2"], m["top1_depth3"]], m["tokens"]
 
 
 arms = {"start": load_head(INIT, target.args), **heads}
